@@ -1,0 +1,1 @@
+"""CUDA-graph sizing and capture policy for the speculative block."""

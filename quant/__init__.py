@@ -1,0 +1,1 @@
+"""Offline quantizer and the SGLang quantization method that routes layers to qflash.kernels."""

@@ -1,0 +1,1 @@
+"""qflash's SGLang plugin, launcher, model preset and offline dummy model."""

@@ -1,0 +1,293 @@
+"""`qflash bench`: the latency scoreboard of the benchmark protocol, every system measured in one run.
+
+Each system is started by the bench itself, measured on the three prompt buckets (one request at a
+time, a fresh random prompt each, 256 greedy tokens, `ignore_eos`, 1 warm-up + N timed), and stopped
+before the next starts. Protocol: shared/reference/benchmark-protocol.md.
+"""
+
+import argparse
+import datetime
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import requests
+from tqdm import tqdm
+
+from qflash.server.launcher import ServerDied, ServerProcess, dummy_model_dirs, plugin_env, sglang_argv
+
+OUTPUT_LEN = 256
+BUCKETS = (64, 2048, 8192)
+TOKEN_RANGE = (1000, 200000)
+ACCEPT_LEN = 6.5
+VALID_ACCEPT = (6.2, 6.8)
+REFERENCE = "sglang-bf16"
+
+# system -> (SGLang flags beyond the shared DFlash preset, qflash plugins it loads); baseline is HF.
+SGLANG_SYSTEMS = {
+    "sglang-bf16": ([], "qflash_text_only"),
+    "sglang-w8a8": (["--quantization", "w8a8_int8", "--speculative-draft-model-quantization", "unquant"],
+                    "qflash_text_only"),
+    "qflash": ([], "qflash"),
+}
+SYSTEMS = ("baseline", *SGLANG_SYSTEMS)
+
+
+def make_prompt(bucket: int, index: int) -> list[int]:
+    """A reproducible random prompt; each (bucket, index) gets its own, so no prefix is ever reused."""
+    rng = random.Random(f"qflash-bench-{bucket}-{index}")
+    return [rng.randrange(*TOKEN_RANGE) for _ in range(bucket)]
+
+
+def request_plan(buckets: list[int], timed: int) -> list[dict]:
+    """Per bucket: one warm-up request, then `timed` measured ones."""
+    return [
+        {"bucket": b, "index": i, "warmup": i == 0, "input_ids": make_prompt(b, i)}
+        for b in buckets for i in range(1 + timed)
+    ]
+
+
+def generate_payload(input_ids: list[int]) -> dict:
+    sampling = {"max_new_tokens": OUTPUT_LEN, "temperature": 0.0, "ignore_eos": True}
+    return {"input_ids": input_ids, "sampling_params": sampling, "stream": True}
+
+
+def read_stream(lines, start: float, clock=time.perf_counter) -> dict:
+    """Time one streamed /generate response: first chunk = first token (TTFT), last chunk = done."""
+    first, meta = None, None
+    for line in lines:
+        if not line.startswith(b"data:"):
+            continue
+        data = line[len(b"data:"):].strip()
+        if data == b"[DONE]":
+            break
+        chunk = orjson.loads(data)
+        if "error" in chunk:
+            raise RuntimeError(f"server error: {chunk['error']}")
+        first = first or clock()
+        meta = chunk["meta_info"]
+    end = clock()
+    if meta is None:
+        raise RuntimeError("empty response stream")
+    return {
+        "latency_ms": (end - start) * 1e3,
+        "ttft_ms": (first - start) * 1e3,
+        "output_tokens": meta["completion_tokens"],
+        "accept_len": meta.get("spec_accept_length"),
+        "verify_steps": meta.get("spec_verify_ct"),
+    }
+
+
+def time_request(base_url: str, input_ids: list[int]) -> dict:
+    start = time.perf_counter()
+    with requests.post(base_url + "/generate", json=generate_payload(input_ids), stream=True, timeout=600) as resp:
+        resp.raise_for_status()
+        return read_stream(resp.iter_lines(), start)
+
+
+def summarize(samples: list[dict], acc_range: tuple[float, float] = VALID_ACCEPT) -> list[dict]:
+    """One row per (system, bucket) from the timed samples, with speedups where the baseline ran."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for s in samples:
+        if not s["warmup"]:
+            groups.setdefault((s["system"], s["bucket"]), []).append(s)
+    rows = []
+    for (system, bucket), group in groups.items():
+        lat = [s["latency_ms"] for s in group]
+        ttft = statistics.median(s["ttft_ms"] for s in group)
+        accepts = [s["accept_len"] for s in group if s.get("accept_len") is not None]
+        accept = statistics.fmean(accepts) if accepts else None
+        # A baseline cycle is one decode step; a speculative cycle is one draft + verify step.
+        steps = statistics.fmean(s.get("verify_steps") or s["output_tokens"] - 1 for s in group)
+        median = statistics.median(lat)
+        rows.append({
+            "system": system, "bucket": bucket, "median_ms": median, "min_ms": min(lat), "max_ms": max(lat),
+            "ttft_ms": ttft, "accept_len": accept, "cycle_ms": (median - ttft) / steps, "n": len(group),
+            "valid": accept is None or acc_range[0] <= accept <= acc_range[1],
+        })
+    medians = {(r["system"], r["bucket"]): r["median_ms"] for r in rows}
+    for r in rows:
+        base, ref = medians.get(("baseline", r["bucket"])), medians.get((REFERENCE, r["bucket"]))
+        r["speedup_vs_baseline"] = base / r["median_ms"] if base else None
+        r["speedup_vs_sglang_bf16"] = ref / r["median_ms"] if ref else None
+    return sorted(rows, key=lambda r: (SYSTEMS.index(r["system"]), r["bucket"]))
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def _fmt(value, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def render_table(rows: list[dict], errors: dict[str, str]) -> str:
+    """Markdown: a per-bucket detail table, then the scoreboard (median ms per bucket, mean speedups)."""
+    out = ["| system | bucket | median ms | min ms | max ms | TTFT ms | accept len | cycle ms | vs baseline | vs sglang-bf16 |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        accept = _fmt(r["accept_len"], ".2f") + ("" if r["valid"] else " INVALID")
+        out.append(
+            f"| {r['system']} | {r['bucket']} | {r['median_ms']:.1f} | {r['min_ms']:.1f} | {r['max_ms']:.1f} "
+            f"| {r['ttft_ms']:.1f} | {accept} | {r['cycle_ms']:.2f} | {_fmt(r['speedup_vs_baseline'], '.1f', 'x')} "
+            f"| {_fmt(r['speedup_vs_sglang_bf16'], '.2f', 'x')} |"
+        )
+    buckets = sorted({r["bucket"] for r in rows})
+    out += ["", "| system | " + " | ".join(f"{b} ms" for b in buckets) + " | mean speedup vs baseline | mean vs sglang-bf16 |",
+            "| --- | " + " | ".join("---:" for _ in buckets) + " | ---: | ---: |"]
+    for system in dict.fromkeys(r["system"] for r in rows):
+        mine = {r["bucket"]: r for r in rows if r["system"] == system}
+        cells = [_fmt(mine[b]["median_ms"], ".1f") if b in mine else "-" for b in buckets]
+        invalid = "" if all(r["valid"] for r in mine.values()) else " (INVALID: accept length outside 6.2-6.8)"
+        out.append(
+            f"| {system}{invalid} | " + " | ".join(cells)
+            + f" | {_fmt(_mean(r['speedup_vs_baseline'] for r in mine.values()), '.1f', 'x')}"
+            + f" | {_fmt(_mean(r['speedup_vs_sglang_bf16'] for r in mine.values()), '.2f', 'x')} |"
+        )
+    out += [f"| {system} | failed: {error} |" for system, error in errors.items()]
+    return "\n".join(out) + "\n"
+
+
+def render_chart(rows: list[dict], path: Path) -> None:
+    """Grouped bars: median latency per bucket, one bar per system, log scale (the baseline is ~40x)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    buckets = sorted({r["bucket"] for r in rows})
+    width = 0.8 / max(len(systems), 1)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for k, system in enumerate(systems):
+        mine = {r["bucket"]: r["median_ms"] for r in rows if r["system"] == system}
+        xs = [i + (k - (len(systems) - 1) / 2) * width for i, b in enumerate(buckets) if b in mine]
+        ys = [mine[b] for b in buckets if b in mine]
+        bars = ax.bar(xs, ys, width, label=system)
+        ax.bar_label(bars, labels=[f"{y:.0f}" for y in ys], fontsize=7)
+    ax.set_xticks(range(len(buckets)), [f"{b} prompt tokens" for b in buckets])
+    ax.set_yscale("log")
+    ax.set_ylabel(f"median latency, ms ({OUTPUT_LEN} output tokens)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _gpu_name() -> str:
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30).stdout.split("\n")
+        return names[0].strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _run_baseline(plan: list[dict], out: Path, progress) -> list[dict]:
+    requests_file = out / "baseline-requests.json"
+    requests_file.write_bytes(orjson.dumps(plan))
+    argv = [sys.executable, "-m", "qflash.server.baseline", "--requests", str(requests_file), "--output-len", str(OUTPUT_LEN)]
+    samples = []
+    with open(out / "logs" / "baseline.log", "ab") as log:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log)
+        for line in proc.stdout:
+            record = orjson.loads(line)
+            if "bucket" in record:
+                samples.append(record)
+                progress.update(1)
+        if proc.wait() != 0:
+            raise ServerDied(f"baseline exited with code {proc.returncode}; log: {out / 'logs' / 'baseline.log'}")
+    return samples
+
+
+def _run_sglang(system: str, plan: list[dict], out: Path, port: int, acc_len: float, progress) -> list[dict]:
+    extra, plugins = SGLANG_SYSTEMS[system]
+    target, drafter = dummy_model_dirs()
+    server = ServerProcess(
+        sglang_argv(target, drafter, extra, port=port),
+        plugin_env(plugins, {"SGLANG_SIMULATE_ACC_LEN": str(acc_len)}),
+        out / "logs" / f"{system}.log", f"http://127.0.0.1:{port}",
+    ).start()
+    try:
+        took = server.wait_ready()
+        tqdm.write(f"{system}: ready in {took:.0f} s")
+        samples = []
+        for req in plan:
+            samples.append({"bucket": req["bucket"], "warmup": req["warmup"], **time_request(server.base_url, req["input_ids"])})
+            progress.update(1)
+        return samples
+    finally:
+        server.stop()
+
+
+def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc_len: float, port: int = 30010) -> int:
+    out = Path(out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    plan = request_plan(buckets, timed)
+    meta = {
+        "date": datetime.date.today().isoformat(), "machine": _gpu_name(), "systems": systems,
+        "command": "qflash bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
+        "protocol": {"buckets": buckets, "output_len": OUTPUT_LEN, "timed": timed, "warmup": 1,
+                     "acc_len": acc_len, "greedy": True, "ignore_eos": True},
+    }
+    samples, errors = [], {}
+    with tqdm(total=len(systems) * len(plan), desc="qflash bench", unit="req") as progress:
+        for system in systems:
+            progress.set_postfix_str(system)
+            try:
+                if system == "baseline":
+                    got = _run_baseline(plan, out, progress)
+                else:
+                    got = _run_sglang(system, plan, out, port, acc_len, progress)
+                samples += [{"system": system, **s} for s in got]
+            except (ServerDied, TimeoutError, RuntimeError, requests.RequestException) as exc:
+                errors[system] = str(exc)
+                tqdm.write(f"{system}: FAILED: {exc}")
+    rows = summarize(samples)
+    (out / "results.json").write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2))
+    (out / "run.json").write_bytes(orjson.dumps({**meta, "errors": errors, "samples": samples}, option=orjson.OPT_INDENT_2))
+    table = f"{meta['date']}, {meta['machine']}: `{meta['command']}`\n\n" + render_table(rows, errors)
+    (out / "results.md").write_text(table)
+    if rows:
+        render_chart(rows, out / "latency.png")
+    print(table)
+    return 1 if errors else 0
+
+
+def _csv(kind, choices=None):
+    def parse(text: str):
+        items = [kind(x) for x in text.split(",") if x]
+        bad = [x for x in items if choices is not None and x not in choices]
+        if not items or bad:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(map(str, choices))}" if bad else "empty list")
+        return items
+    return parse
+
+
+def _positive_csv(text: str) -> list[int]:
+    items = _csv(int)(text)
+    if any(x <= 0 for x in items):
+        raise argparse.ArgumentTypeError(f"{text!r}: bucket sizes must be positive")
+    return items
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
+    return value
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--systems", type=_csv(str, SYSTEMS), default=list(SYSTEMS),
+                   help=f"comma list from {','.join(SYSTEMS)} (default: all)")
+    p.add_argument("--out", type=Path, required=True, help="folder for results.json, results.md, latency.png, logs/")
+    p.add_argument("--buckets", type=_positive_csv, default=list(BUCKETS), help="prompt lengths (default 64,2048,8192)")
+    p.add_argument("--timed", type=_positive_int, default=3, help="timed requests per bucket after 1 warm-up")
+    p.add_argument("--acc-len", type=float, default=ACCEPT_LEN, help="SGLANG_SIMULATE_ACC_LEN for speculative systems")

@@ -1,0 +1,65 @@
+"""The `qflash` command: serve, make-dummy, bench."""
+
+import argparse
+import sys
+from pathlib import Path
+
+from qflash.server.preset import HOST, PORT
+
+
+def _serve(args: argparse.Namespace, extra: list[str]) -> int:
+    from qflash.server.launcher import DEFAULT_CACHE, serve
+
+    log = args.log or DEFAULT_CACHE / "logs" / f"server-{args.port}.log"
+    return serve(args.model_path, args.draft_model_path, extra, args.host, args.port, log, args.dry_run)
+
+
+def _make_dummy(args: argparse.Namespace, extra: list[str]) -> int:
+    from qflash.server.dummy import make_dummy
+
+    target, drafter = make_dummy(args.dir)
+    print(f"target:  {target}\ndrafter: {drafter}")
+    return 0
+
+
+def _bench(args: argparse.Namespace, extra: list[str]) -> int:
+    from qflash.server.bench import run_bench
+
+    return run_bench(args.systems, args.out, args.buckets, args.timed, args.acc_len)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qflash", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="start the server (other flags go to sglang.launch_server)")
+    s.add_argument("--model-path", type=Path, help="Qwen3.5-4B checkpoint directory (default: the dummy model)")
+    s.add_argument("--draft-model-path", type=Path, help="Qwen3.5-4B-DFlash drafter directory")
+    s.add_argument("--host", default=HOST)
+    s.add_argument("--port", type=int, default=PORT)
+    s.add_argument("--log", type=Path, help="server log file")
+    s.add_argument("--dry-run", action="store_true", help="print the SGLang command and exit")
+    s.set_defaults(func=_serve, passthrough=True)
+
+    d = sub.add_parser("make-dummy", help="write an offline Qwen3.5-4B + DFlash model (config + tokenizer)")
+    d.add_argument("dir", type=Path)
+    d.set_defaults(func=_make_dummy, passthrough=False)
+
+    from qflash.server.bench import add_bench_args
+
+    b = sub.add_parser("bench", help="latency scoreboard: each system started, measured and stopped in turn")
+    add_bench_args(b)
+    b.set_defaults(func=_bench, passthrough=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args, extra = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if extra and not args.passthrough:
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args.func(args, extra)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""`qflash serve`: start SGLang with the qflash preset, wait until it answers, print its URL.
+
+The server is SGLang's own `sglang.launch_server`, run as a child process; qflash reaches into it only
+through its plugin (SGLANG_PLUGINS). `qflash bench` starts the stock systems with the same class.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from qflash.server.dummy import DRAFTER_DIR, TARGET_DIR, is_dummy_dir, make_dummy
+from qflash.server.preset import DFLASH_FLAGS, HOST, PORT
+
+DEFAULT_CACHE = Path(os.environ.get("QFLASH_CACHE", "~/.cache/qflash")).expanduser()
+
+
+class ServerDied(RuntimeError):
+    pass
+
+
+def dummy_model_dirs(cache: Path = DEFAULT_CACHE) -> tuple[Path, Path]:
+    """The offline dummy target and drafter, built once in the cache folder."""
+    root = cache / "dummy"
+    target, drafter = root / TARGET_DIR, root / DRAFTER_DIR
+    if not (is_dummy_dir(target) and is_dummy_dir(drafter)):
+        make_dummy(root)
+    return target, drafter
+
+
+def sglang_argv(target: Path, drafter: Path, extra: list[str], host: str = HOST, port: int = PORT) -> list[str]:
+    """The `sglang.launch_server` command for a target + DFlash drafter, served under the target folder's
+    name (e.g. `Qwen3.5-4B`); `extra` flags come last and win."""
+    load = ["--load-format", "dummy"] if is_dummy_dir(target) else []
+    draft_load = ["--speculative-draft-load-format", "dummy" if is_dummy_dir(drafter) else "auto"]
+    return [
+        sys.executable, "-m", "sglang.launch_server",
+        "--model-path", str(target), "--served-model-name", Path(target).name,
+        "--speculative-draft-model-path", str(drafter),
+        *load, *draft_load, *DFLASH_FLAGS,
+        "--host", host, "--port", str(port),
+        *extra,
+    ]
+
+
+def plugin_env(plugins: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: this one, with only the named qflash plugins enabled."""
+    return {**os.environ, "SGLANG_PLUGINS": plugins, "PYTHONUNBUFFERED": "1", **(extra or {})}
+
+
+class ServerProcess:
+    """One SGLang server as a child process group, with its log in a file."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, base_url: str):
+        self.argv, self.env, self.log_path, self.base_url = argv, env, Path(log_path), base_url
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "ServerProcess":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        return self
+
+    def wait_ready(self, timeout_s: float = 900.0) -> float:
+        """Poll /health until it answers 200; return the seconds it took. Raise if the server exits."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            if self.proc.poll() is not None:
+                raise ServerDied(f"server exited with code {self.proc.returncode}; log: {self.log_path}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as resp:
+                    if resp.status == 200:
+                        return time.monotonic() - start
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"server not healthy after {timeout_s:.0f} s; log: {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def serve(model_path: Path | None, draft_model_path: Path | None, extra: list[str], host: str, port: int,
+          log_path: Path, dry_run: bool = False) -> int:
+    """Start the qflash server and block until it exits; return its exit code."""
+    if (model_path is None) != (draft_model_path is None):
+        print("qflash: give both --model-path and --draft-model-path, or neither (the dummy model)", file=sys.stderr)
+        return 2
+    if model_path is None:
+        model_path, draft_model_path = dummy_model_dirs()
+    argv = sglang_argv(model_path, draft_model_path, extra, host, port)
+    if dry_run:
+        print(" ".join(argv))
+        return 0
+    if not cuda_available():
+        print("qflash: no CUDA GPU is visible; qflash serves on an NVIDIA GPU (sm80 or newer)", file=sys.stderr)
+        return 1
+    # SIGTERM (docker stop, kill) should stop SGLang's process group too: make it unwind like Ctrl-C.
+    signal.signal(signal.SIGTERM, _interrupt)
+    server = ServerProcess(argv, plugin_env("qflash"), log_path, f"http://{host}:{port}").start()
+    print(f"qflash: starting SGLang (log: {log_path})", flush=True)
+    try:
+        took = server.wait_ready()
+        print(f"qflash: ready in {took:.0f} s at {server.base_url} (OpenAI API: {server.base_url}/v1)", flush=True)
+        return server.proc.wait()
+    except (ServerDied, TimeoutError) as exc:
+        print(f"qflash: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        server.stop()

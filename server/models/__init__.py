@@ -1,0 +1,1 @@
+"""Model classes SGLang registers from qflash (`ModelRegistry.register`, overwrite=True)."""

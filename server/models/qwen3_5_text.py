@@ -1,0 +1,46 @@
+"""Qwen3.5 served text-only, with DFlash hidden-state capture.
+
+Registered under the checkpoint's own architecture name, `Qwen3_5ForConditionalGeneration`, so every
+arch-keyed SGLang rule for Qwen3.5 (mamba radix cache, prefill graphs) still applies. It builds SGLang's
+text-only Qwen3.5 (no vision tower, so no image processor) and adds what that class lacks for DFlash:
+`set_dflash_layers_to_capture`, and loading the multimodal checkpoint's `model.language_model.*` names.
+"""
+
+from typing import Iterable, Optional
+
+import torch
+from sglang.srt.layers.quantization.base_config import QuantizationConfig
+from sglang.srt.models.qwen3_5_text import Qwen3_5ForCausalLM
+
+_LANGUAGE_MODEL = "model.language_model."
+_NOT_TEXT = ("model.visual.", "mtp.")
+
+
+def text_only_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    """A multimodal checkpoint's tensors under the text model's names; vision tower and MTP head dropped."""
+    for name, tensor in weights:
+        if name.startswith(_NOT_TEXT):
+            continue
+        if name.startswith(_LANGUAGE_MODEL):
+            name = "model." + name[len(_LANGUAGE_MODEL):]
+        yield name, tensor
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    def __init__(self, config, quant_config: Optional[QuantizationConfig] = None, prefix: str = ""):
+        text_config = config.get_text_config()
+        text_config.tie_word_embeddings = getattr(config, "tie_word_embeddings", text_config.tie_word_embeddings)
+        super().__init__(text_config, quant_config=quant_config, prefix=prefix)
+
+    def set_dflash_layers_to_capture(self, layer_ids: list[int]) -> None:
+        """DFlash taps the output of target layer i, i.e. the input of layer i + 1 (as SGLang's VL class)."""
+        if not self.pp_group.is_last_rank:
+            return
+        self.capture_aux_hidden_states = True
+        self.model.set_dflash_layers_to_capture([i + 1 for i in layer_ids])
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(text_only_weights(weights))
+
+
+EntryClass = [Qwen3_5ForConditionalGeneration]

@@ -1,0 +1,21 @@
+"""SGLang plugin entry points (group `sglang.srt.plugins`), run in the server and every scheduler process.
+
+`qflash` is the whole stack; `qflash_text_only` is only the text-only Qwen3.5 switch, which the stock
+SGLang systems of `qflash bench` load so that they serve the same text model without qflash's code.
+"""
+
+from qflash.server import patches
+
+MODEL_PACKAGE = "qflash.server.models"
+
+
+def register_text_only() -> None:
+    patches.apply_text_only()
+
+
+def register() -> None:
+    from sglang.srt.models.registry import ModelRegistry
+
+    register_text_only()
+    patches.apply_openai_model_check()
+    ModelRegistry.register(MODEL_PACKAGE, overwrite=True, strict=True)

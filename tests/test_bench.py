@@ -1,0 +1,111 @@
+"""`qflash bench`: requests, stream timing, statistics, table and chart, CLI errors (no GPU needed)."""
+
+import json
+import statistics
+
+import orjson
+import pytest
+
+from conftest import REPO
+from qflash.server import bench
+from qflash.server.cli import main
+
+RECORDED = json.loads((REPO / "tests" / "data" / "bench-run.json").read_text())
+
+
+def test_prompts_are_fresh_random_ids_in_range():
+    a, b, c = bench.make_prompt(2048, 1), bench.make_prompt(2048, 2), bench.make_prompt(64, 1)
+    assert len(a) == 2048 and len(c) == 64
+    assert all(bench.TOKEN_RANGE[0] <= t < bench.TOKEN_RANGE[1] for t in a + c)
+    assert a != b and a[:64] != c and bench.make_prompt(2048, 1) == a
+    assert len(set(a)) > 1900
+
+
+def test_plan_is_one_warmup_then_timed_per_bucket():
+    plan = bench.request_plan([64, 2048], timed=3)
+    assert [(r["bucket"], r["warmup"]) for r in plan] == [(64, True), (64, False), (64, False), (64, False),
+                                                         (2048, True), (2048, False), (2048, False), (2048, False)]
+    assert len({tuple(r["input_ids"]) for r in plan}) == len(plan)
+
+
+def test_payload_is_greedy_256_tokens_ignoring_eos():
+    payload = bench.generate_payload([5, 6])
+    assert payload == {"input_ids": [5, 6], "stream": True,
+                       "sampling_params": {"max_new_tokens": 256, "temperature": 0.0, "ignore_eos": True}}
+
+
+def sse(*chunks):
+    return [b"data: " + orjson.dumps(c) for c in chunks] + [b"", b"data: [DONE]"]
+
+
+def test_stream_timing_reads_first_and_last_chunk():
+    ticks = iter([1.10, 2.00])  # read at the first chunk and when the stream ends
+    lines = sse({"text": "a", "meta_info": {"completion_tokens": 1}},
+                {"text": "ab", "meta_info": {"completion_tokens": 7}},
+                {"text": "abc", "meta_info": {"completion_tokens": 256, "spec_accept_length": 6.4, "spec_verify_ct": 40}})
+    got = bench.read_stream(lines, start=1.0, clock=lambda: next(ticks))
+    assert got["ttft_ms"] == pytest.approx(100.0) and got["latency_ms"] == pytest.approx(1000.0)
+    assert (got["output_tokens"], got["accept_len"], got["verify_steps"]) == (256, 6.4, 40)
+
+
+def test_stream_errors_are_raised():
+    with pytest.raises(RuntimeError, match="too long"):
+        bench.read_stream(sse({"error": {"message": "too long"}}), start=0.0)
+    with pytest.raises(RuntimeError, match="empty"):
+        bench.read_stream([b"data: [DONE]"], start=0.0)
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return bench.summarize(RECORDED["samples"])
+
+
+def row(rows, system, bucket):
+    return next(r for r in rows if r["system"] == system and r["bucket"] == bucket)
+
+
+def test_statistics_from_a_recorded_run(rows):
+    r = row(rows, "sglang-bf16", 64)
+    assert (r["median_ms"], r["min_ms"], r["max_ms"], r["n"]) == (273, 270, 280, 3)  # the warm-up is left out
+    assert r["cycle_ms"] == pytest.approx((273 - 25.0) / 40)
+    assert r["speedup_vs_baseline"] == pytest.approx(10665 / 273)
+    q = row(rows, "qflash", 64)
+    assert q["speedup_vs_sglang_bf16"] == pytest.approx(273 / 130)
+    base = row(rows, "baseline", 2048)
+    assert base["accept_len"] is None and base["valid"] and base["cycle_ms"] == pytest.approx((10706 - 40.0) / 255)
+    assert [r["system"] for r in rows] == ["baseline"] * 2 + ["sglang-bf16"] * 2 + ["qflash"] * 2
+
+
+def test_acceptance_outside_the_protocol_window_is_invalid(rows):
+    assert row(rows, "qflash", 64)["valid"] and row(rows, "sglang-bf16", 2048)["valid"]
+    assert not row(rows, "qflash", 2048)["valid"]
+    table = bench.render_table(rows, {})
+    assert "1.00 INVALID" in table and "qflash (INVALID: accept length outside 6.2-6.8)" in table
+
+
+def test_table_has_the_scoreboard_and_failures(rows):
+    table = bench.render_table(rows, {"sglang-w8a8": "server exited with code 1"})
+    line = next(l for l in table.splitlines() if l.startswith("| sglang-bf16 |") and "speedup" not in l and l.count("|") == 6)
+    mean = statistics.fmean([10665 / 273, 10706 / 384])
+    assert line == f"| sglang-bf16 | 273.0 | 384.0 | {mean:.1f}x | 1.00x |"
+    assert "| sglang-w8a8 | failed: server exited with code 1 |" in table
+
+
+def test_chart_is_a_png(rows, tmp_path):
+    bench.render_chart(rows, tmp_path / "latency.png")
+    data = (tmp_path / "latency.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--systems", "baseline,vllm", "--out", "x"], "choose from baseline, sglang-bf16, sglang-w8a8, qflash"),
+    (["--systems", "qflash"], "the following arguments are required: --out"),
+    (["--out", "x", "--timed", "0"], "must be at least 1"),
+    (["--out", "x", "--buckets", "64,-5"], "bucket sizes must be positive"),
+    (["--out", "x", "--surprise"], "unrecognized arguments: --surprise"),
+])
+def test_cli_argument_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

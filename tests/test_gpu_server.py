@@ -1,0 +1,154 @@
+"""The server end to end, started once through `./launch.sh` (GPU machine only: `pytest -m gpu`)."""
+
+import concurrent.futures
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+import torch
+
+from conftest import REPO
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+PORT = 30000
+BASE = f"http://127.0.0.1:{PORT}"
+MODEL = "Qwen3.5-4B"
+CONTEXT = 16384
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`./launch.sh` with no arguments: the dummy model, DFLASH K=16. Start-up time goes to the test log."""
+    out_path = tmp_path_factory.mktemp("launch") / "launch.out"
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen([str(REPO / "launch.sh")], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHON": sys.executable}, start_new_session=True)
+    start = time.monotonic()
+    try:
+        while not re.search(r"ready in \d+ s", out_path.read_text()):
+            assert proc.poll() is None, f"launch.sh exited:\n{out_path.read_text()}"
+            assert time.monotonic() - start < 900, "server not ready in 900 s"
+            time.sleep(1)
+        print(f"\nqflash start-up (launch.sh to ready): {time.monotonic() - start:.0f} s; {out_path.read_text().strip()}")
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=BASE + "/v1", api_key="none")
+
+
+def assert_still_serving():
+    assert requests.get(BASE + "/health", timeout=30).status_code == 200
+    r = requests.post(BASE + "/generate", json={"text": "ok", "sampling_params": {"max_new_tokens": 4}}, timeout=60)
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 4
+
+
+def test_health(server):
+    assert requests.get(BASE + "/health", timeout=30).status_code == 200
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_native_generate_speculates(server):
+    body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}}
+    r = requests.post(BASE + "/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert isinstance(out["text"], str) and out["meta_info"]["completion_tokens"] == 64
+    assert out["meta_info"]["spec_accept_length"] >= 1.0 and out["meta_info"]["spec_verify_ct"] >= 1
+
+
+def test_native_generate_from_token_ids_is_greedy_deterministic(server):
+    body = {"input_ids": list(range(1000, 1100)), "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}}
+    first, second = (requests.post(BASE + "/generate", json=body, timeout=120).json() for _ in range(2))
+    assert first["output_ids"] == second["output_ids"] and len(first["output_ids"]) == 32
+
+
+def test_openai_chat(client):
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=16, temperature=0)
+    assert resp.choices[0].message.role == "assistant" and isinstance(resp.choices[0].message.content, str)
+    assert resp.usage.completion_tokens <= 16 and resp.usage.prompt_tokens > 0
+
+
+def test_openai_chat_stream(client):
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count"}],
+                                            max_tokens=24, temperature=0, stream=True)
+    chunks = list(stream)
+    assert len(chunks) >= 2
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert isinstance(text, str) and chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_openai_completions(client):
+    resp = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0)
+    assert isinstance(resp.choices[0].text, str) and resp.choices[0].finish_reason in ("length", "stop")
+
+
+def test_sglang_frontend_program(server):
+    import sglang as sgl
+
+    @sgl.function
+    def answer(s, question):
+        s += "Q: " + question + "\nA:"
+        s += sgl.gen("answer", max_tokens=16, temperature=0)
+
+    state = answer.run(question="What is 2 + 2?", backend=sgl.RuntimeEndpoint(BASE))
+    assert isinstance(state["answer"], str)
+    assert state.get_meta_info("answer")["completion_tokens"] <= 16
+
+
+def test_eight_concurrent_requests_all_complete(server):
+    def one(i):
+        body = {"input_ids": [1000 + i] * (64 + 100 * i), "sampling_params": {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}}
+        return requests.post(BASE + "/generate", json=body, timeout=300)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    assert [r.status_code for r in results] == [200] * 8
+    assert [r.json()["meta_info"]["completion_tokens"] for r in results] == [48] * 8
+
+
+CHAT = BASE + "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+BAD = {
+    "malformed JSON, native": (BASE + "/generate", b'{"text": "hi", "sampling_params": {', "application/json"),
+    "malformed JSON, OpenAI": (CHAT, b'{"model": "Qwen3.5-4B", "messages": [', "application/json"),
+    "unknown model": (CHAT, {"model": "gpt-17", "messages": MSG}, None),
+    "max_tokens -1, OpenAI": (CHAT, {"model": MODEL, "messages": MSG, "max_tokens": -1}, None),
+    "max_new_tokens -1, native": (BASE + "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -1}}, None),
+    "huge max_tokens": (CHAT, {"model": MODEL, "messages": MSG, "max_tokens": 10**9}, None),
+    "prompt over the context, native": (BASE + "/generate", {"input_ids": [1000] * (CONTEXT + 100), "sampling_params": {"max_new_tokens": 8}}, None),
+    "prompt over the context, OpenAI": (BASE + "/v1/completions", {"model": MODEL, "prompt": "hello " * CONTEXT, "max_tokens": 8}, None),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_gets_a_readable_4xx_and_the_server_keeps_serving(server, case):
+    url, body, content_type = BAD[case]
+    if content_type:
+        r = requests.post(url, data=body, headers={"Content-Type": content_type}, timeout=120)
+    else:
+        r = requests.post(url, json=body, timeout=120)
+    assert 400 <= r.status_code < 500, f"{case}: {r.status_code} {r.text[:500]}"
+    error = r.json()
+    message = error.get("message") or error.get("error", {}).get("message") or error.get("detail")
+    assert message, f"{case}: no message in {error}"
+    print(f"\n{case}: {r.status_code} {str(message)[:160]}")
+    assert_still_serving()

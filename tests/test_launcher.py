@@ -1,0 +1,70 @@
+"""`./launch.sh` / `qflash serve`: argument handling, the dummy model by default, and the no-GPU message."""
+
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+
+
+def launch(*args: str, cache, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "QFLASH_CACHE": str(cache), "PYTHON": sys.executable}
+    return subprocess.run([str(REPO / "launch.sh"), *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[len(argv) - 1 - argv[::-1].index(name) + 1]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("qflash-cache")
+
+
+def test_no_arguments_builds_and_serves_the_dummy_model(cache):
+    result = launch("--dry-run", cache=cache)
+    assert result.returncode == 0, result.stderr
+    argv = shlex.split(result.stdout.strip().splitlines()[-1])
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    assert flag(argv, "--model-path") == str(cache / "dummy" / "Qwen3.5-4B")
+    assert flag(argv, "--speculative-draft-model-path") == str(cache / "dummy" / "Qwen3.5-4B-DFlash")
+    assert (cache / "dummy" / "Qwen3.5-4B" / "tokenizer.json").exists()
+    assert flag(argv, "--load-format") == "dummy" and flag(argv, "--speculative-draft-load-format") == "dummy"
+    assert flag(argv, "--speculative-algorithm") == "DFLASH" and flag(argv, "--speculative-dflash-block-size") == "16"
+    assert (flag(argv, "--host"), flag(argv, "--port")) == ("127.0.0.1", "30000")
+    assert flag(argv, "--served-model-name") == "Qwen3.5-4B"
+
+
+def test_real_checkpoints_and_passthrough_flags(cache, tmp_path):
+    target, drafter = tmp_path / "my-qwen", tmp_path / "my-drafter"
+    for d in (target, drafter):
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+        (d / "tokenizer.json").write_text("{}")
+        (d / "model.safetensors").write_bytes(b"")
+    result = launch("--model-path", str(target), "--draft-model-path", str(drafter), "--port", "31000",
+                    "--mem-fraction-static", "0.8", "--dry-run", cache=cache)
+    assert result.returncode == 0, result.stderr
+    argv = shlex.split(result.stdout.strip().splitlines()[-1])
+    assert flag(argv, "--model-path") == str(target) and "--load-format" not in argv
+    assert flag(argv, "--speculative-draft-load-format") == "auto"
+    assert flag(argv, "--port") == "31000" and flag(argv, "--served-model-name") == "my-qwen"
+    assert argv[-2:] == ["--mem-fraction-static", "0.8"]  # given flags come last, so they win
+
+
+def test_target_without_drafter_is_refused(cache, tmp_path):
+    result = launch("--model-path", str(tmp_path), cache=cache)
+    assert result.returncode == 2
+    assert "--draft-model-path" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown on a machine without a GPU")
+def test_without_a_gpu_it_says_so_in_one_line(cache):
+    result = launch(cache=cache)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == ["qflash: no CUDA GPU is visible; qflash serves on an NVIDIA GPU (sm80 or newer)"]
+    assert result.stdout == ""

@@ -1,0 +1,94 @@
+"""The SGLang plugin: entry points, text-only Qwen3.5, qflash's model class, valid server arguments.
+
+SGLang keeps plugin and hook state per process, so each check runs in a fresh interpreter, as SGLang's
+own server and scheduler processes do.
+"""
+
+import json
+from importlib.metadata import entry_points
+
+import pytest
+
+from conftest import run_python
+from qflash.server import patches
+from qflash.server.launcher import sglang_argv
+from qflash.server.models.qwen3_5_text import text_only_weights
+
+PROBE = """
+import json, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.models.registry import ModelRegistry
+cls, _ = ModelRegistry.resolve_model_cls(["Qwen3_5ForConditionalGeneration"])
+mc = ModelConfig(sys.argv[1])
+print(json.dumps({"cls": cls.__module__ + "." + cls.__name__, "multimodal": mc.is_multimodal,
+                  "hidden": mc.hf_text_config.hidden_size, "mrope": mc.model_is_mrope}))
+"""
+
+
+def probe(target, plugins: str) -> dict:
+    result = run_python(PROBE, str(target), env={"SGLANG_PLUGINS": plugins})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_entry_points_are_installed():
+    eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert eps["qflash"] == "qflash.server.plugin:register"
+    assert eps["qflash_text_only"] == "qflash.server.plugin:register_text_only"
+
+
+def test_stock_sglang_treats_qwen35_as_multimodal(dummy_dirs):
+    got = probe(dummy_dirs[0], "none")
+    assert got["multimodal"] is True
+    assert got["cls"] == "sglang.srt.models.qwen3_5.Qwen3_5ForConditionalGeneration"
+
+
+def test_text_only_plugin_keeps_the_stock_model(dummy_dirs):
+    got = probe(dummy_dirs[0], "qflash_text_only")
+    assert got["multimodal"] is False
+    assert got["cls"] == "sglang.srt.models.qwen3_5.Qwen3_5ForConditionalGeneration"
+
+
+def test_qflash_plugin_serves_its_text_model(dummy_dirs):
+    got = probe(dummy_dirs[0], "qflash")
+    assert got == {"cls": "qflash.server.models.qwen3_5_text.Qwen3_5ForConditionalGeneration",
+                   "multimodal": False, "hidden": 2560, "mrope": True}
+
+
+def test_qflash_model_class_has_dflash_capture():
+    code = ("from qflash.server.models.qwen3_5_text import Qwen3_5ForConditionalGeneration as C\n"
+            "from sglang.srt.models.qwen3_5_text import Qwen3_5ForCausalLM as T\n"
+            "print(hasattr(C, 'set_dflash_layers_to_capture'), hasattr(T, 'set_dflash_layers_to_capture'))")
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["True", "False"]
+
+
+def test_multimodal_checkpoint_names_map_to_the_text_model():
+    names = ["model.language_model.layers.0.linear_attn.in_proj_qkv.weight", "model.language_model.embed_tokens.weight",
+             "model.language_model.norm.weight", "model.visual.blocks.0.attn.qkv.weight", "mtp.fc.weight",
+             "lm_head.weight", "model.layers.3.self_attn.q_proj.weight"]
+    got = [name for name, _ in text_only_weights((n, None) for n in names)]
+    assert got == ["model.layers.0.linear_attn.in_proj_qkv.weight", "model.embed_tokens.weight", "model.norm.weight",
+                   "lm_head.weight", "model.layers.3.self_attn.q_proj.weight"]
+
+
+def test_preset_server_arguments_pass_sglang_validation(dummy_dirs):
+    # SGLang validates DFLASH arguments only for a CUDA device; `--device cuda` lets it do so here.
+    argv = sglang_argv(*dummy_dirs, ["--device", "cuda"])[3:]
+    code = ("import json, sys\nfrom sglang.srt.plugins import load_plugins\nload_plugins()\n"
+            "from sglang.srt.server_args import prepare_server_args\n"
+            "a = prepare_server_args(sys.argv[1:])\n"
+            "print(json.dumps([a.speculative_algorithm, a.speculative_num_draft_tokens, a.enable_multimodal,"
+            " a.served_model_name, a.load_format, a.context_length]))")
+    result = run_python(code, *argv, env={"SGLANG_PLUGINS": "qflash"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == ["DFLASH", 16, None, "Qwen3.5-4B", "dummy", 16384]
+
+
+def test_patches_refuse_another_sglang(monkeypatch):
+    monkeypatch.setattr(patches, "version", lambda name: "0.5.18")
+    with pytest.raises(RuntimeError, match="0.5.17"):
+        patches.check_version()
