@@ -249,6 +249,13 @@ def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc
             except (ServerDied, TimeoutError, RuntimeError, requests.RequestException) as exc:
                 errors[system] = str(exc)
                 tqdm.write(f"{system}: FAILED: {exc}")
+            table = write_results(out, meta, samples, errors)  # after each system, so a cut-short run keeps its rows
+    print(table)
+    return 1 if errors else 0
+
+
+def write_results(out: Path, meta: dict, samples: list[dict], errors: dict[str, str]) -> str:
+    """results.json (rows), run.json (meta + raw samples), results.md and latency.png; returns the table."""
     rows = summarize(samples)
     (out / "results.json").write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2))
     (out / "run.json").write_bytes(orjson.dumps({**meta, "errors": errors, "samples": samples}, option=orjson.OPT_INDENT_2))
@@ -256,8 +263,7 @@ def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc
     (out / "results.md").write_text(table)
     if rows:
         render_chart(rows, out / "latency.png")
-    print(table)
-    return 1 if errors else 0
+    return table
 
 
 def _csv(kind, choices=None):
