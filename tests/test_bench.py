@@ -109,3 +109,12 @@ def test_cli_argument_errors(args, message, capsys):
         main(["bench", *args])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_committed_h200_run_re_renders_from_its_samples():
+    run = json.loads((REPO / "benchmarks" / "2026-11-30-h200.json").read_text())
+    rows = bench.summarize(run["samples"])
+    assert rows == run["rows"]
+    assert all(r["valid"] for r in rows) and {r["system"] for r in rows} == set(bench.SYSTEMS)
+    table = bench.render_table(rows, run["errors"])
+    assert "| qflash | 270.9 | 384.6 | 752.7 | 27.3x | 1.02x |" in table
