@@ -1,4 +1,4 @@
-"""The `qflash` command: serve, make-dummy, bench."""
+"""The `qflash` command: serve, make-dummy, bench, bench-kernels."""
 
 import argparse
 import sys
@@ -28,6 +28,12 @@ def _bench(args: argparse.Namespace, extra: list[str]) -> int:
     return run_bench(args.systems, args.out, args.buckets, args.timed, args.acc_len)
 
 
+def _bench_kernels(args: argparse.Namespace, extra: list[str]) -> int:
+    from qflash.kernels.bench import run_bench_kernels
+
+    return run_bench_kernels(args.out)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qflash", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -50,6 +56,10 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="latency scoreboard: each system started, measured and stopped in turn")
     add_bench_args(b)
     b.set_defaults(func=_bench, passthrough=False)
+
+    k = sub.add_parser("bench-kernels", help="qflash GEMMs vs cuBLAS bf16, torch._int_mm and SGLang int8 (GPU)")
+    k.add_argument("--out", type=Path, required=True, help="folder for kernels.md and kernels.json")
+    k.set_defaults(func=_bench_kernels, passthrough=False)
     return p
 
 

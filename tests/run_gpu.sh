@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Everything the H200 checks, in one device call: install, the GPU tests, the benchmark. Results to $OUT.
-#   device run, carry [".gpu"]:  [BENCH=baseline,sglang-bf16,...] [TESTS=0] bash tests/run_gpu.sh
-# .gpu/ is a copy of ../shared/device (the offline SGLang bundle).
+# Everything the H200 checks, in one device call; results and logs land in $OUT. Steps, by variable:
+#   TUNE=1                 python -m qflash.kernels.tune (rewrites the kernel tables; copies them to $OUT)
+#   TESTS="pytest args"    default "-m gpu tests" (all GPU tests); TESTS=0 skips
+#   BENCH_KERNELS=1        qflash bench-kernels
+#   BENCH=sys1,sys2,...    qflash bench --systems ...
+# Device tool: carry [".gpu"] (a copy of ../shared/device, the offline SGLang bundle); bash tests/run_gpu.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/qflash-out}
 mkdir -p "$OUT"
@@ -10,10 +13,21 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 export QFLASH_CACHE=/tmp/qflash-cache PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
-if [ "${TESTS:-1}" = 1 ]; then
-  timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -m gpu tests -v -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "PASSED|FAILED|ERROR|start-up|passed|failed|: 4[0-9][0-9] "
+if [ "${TUNE:-0}" = 1 ]; then
+  timeout "${TUNE_TIMEOUT:-330}" python3 -m qflash.kernels.tune > "$OUT/tune.log" 2>&1; echo "tune rc=$?"; grep -E "wrote|tuned in" "$OUT/tune.log"
+  cp kernels/w8a8_gemm.py kernels/w8a16_gemm.py kernels/w8a16_argmax.py "$OUT/"
+fi
+
+if [ "${TESTS:-}" != 0 ]; then
+  # shellcheck disable=SC2086
+  timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest ${TESTS:--m gpu tests} -v -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "FAILED|ERROR|start-up|passed|failed|: 4[0-9][0-9] "
   pkill -f sglang.launch_server; sleep 3
   cp "$QFLASH_CACHE"/logs/server-30000.log "$OUT/" 2>/dev/null
+fi
+
+if [ "${BENCH_KERNELS:-0}" = 1 ]; then
+  timeout "${BENCH_KERNELS_TIMEOUT:-240}" python3 -m qflash.server.cli bench-kernels --out /tmp/kbench 2>&1 | tail -n 20
+  cp /tmp/kbench/kernels.md /tmp/kbench/kernels.json "$OUT/" 2>/dev/null
 fi
 
 if [ -n "${BENCH:-}" ]; then

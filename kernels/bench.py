@@ -1,0 +1,111 @@
+"""`qflash bench-kernels`: qflash's GEMMs against cuBLAS bf16, torch._int_mm and stock SGLang's int8 path.
+
+Every timing starts from bf16 activations (the int8 paths include their per-token quantization) and is
+the median of `triton.testing.do_bench`, which flushes L2 between runs, so weights come from HBM.
+"""
+
+from pathlib import Path
+
+import orjson
+import torch
+import triton
+
+from qflash.kernels.per_token_quant import per_token_quant
+from qflash.kernels.shapes import DECODE_M, DRAFTER, LM_HEAD, PREFILL_M, TARGET, TARGET_COUNT
+from qflash.kernels.w8a16_argmax import w8a16_argmax
+from qflash.kernels.w8a16_gemm import w8a16_gemm
+from qflash.kernels.w8a8_gemm import w8a8_gemm
+
+HBM_TBPS = 4.3  # device-to-device copy rate measured on the H200 (read + write)
+
+
+def time_us(fn) -> float | None:
+    try:
+        return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
+    except RuntimeError:  # e.g. torch._int_mm refuses some M
+        return None
+
+
+def _stock_path():
+    from sgl_kernel import int8_scaled_mm
+    from sglang.kernels.ops.quantization.int8_kernel import per_token_quant_int8
+
+    def run(x, w_t, w_scale_col):
+        x_q, x_s = per_token_quant_int8(x)
+        return int8_scaled_mm(x_q, w_t, x_s, w_scale_col, out_dtype=torch.bfloat16, bias=None)
+    return run
+
+
+def gemm_row(phase: str, name: str, m: int, n: int, k: int, stock) -> dict:
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda")
+    w_scale = torch.rand(n, device="cuda") / (127 * k ** 0.5) + 1e-6
+    w_bf16 = (w.float() * w_scale[:, None]).to(torch.bfloat16)
+
+    def int_mm():
+        x_q, x_s = per_token_quant(x)
+        return (torch._int_mm(x_q, w.t()).float() * x_s[:, None] * w_scale[None, :]).to(torch.bfloat16)
+
+    row = {"phase": phase, "gemm": name, "M": m, "N": n, "K": k,
+           "cublas_bf16_us": time_us(lambda: x @ w_bf16.t()),
+           "int_mm_us": time_us(int_mm),
+           "sglang_int8_us": time_us(lambda: stock(x, w.t(), w_scale[:, None])),
+           "qflash_us": time_us(lambda: w8a8_gemm(x, w, w_scale, None, phase))}
+    row["qflash_weight_gbps"] = n * k / row["qflash_us"] / 1e3
+    row["qflash_tops"] = 2 * m * n * k / row["qflash_us"] / 1e6
+    row["vs_sglang"] = row["sglang_int8_us"] / row["qflash_us"] if row["sglang_int8_us"] else None
+    return row
+
+
+def lm_head_row(m: int) -> dict:
+    name, n, k = LM_HEAD
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda")
+    w_scale = torch.rand(n, device="cuda") / (127 * k ** 0.5) + 1e-6
+    w_bf16 = (w.float() * w_scale[:, None]).to(torch.bfloat16)
+    row = {"M": m, "cublas_bf16_us": time_us(lambda: x @ w_bf16.t()),
+           "w8a16_us": time_us(lambda: w8a16_gemm(x, w, w_scale, "lm_head")),
+           "w8a16_then_argmax_us": time_us(lambda: w8a16_gemm(x, w, w_scale, "lm_head").argmax(-1)),
+           "fused_argmax_us": time_us(lambda: w8a16_argmax(x, w, w_scale, "lm_head"))}
+    row["w8a16_hbm_pct"] = 100 * n * k / row["w8a16_us"] / 1e6 / HBM_TBPS
+    return row
+
+
+def _f(v, spec=".1f"):
+    return "-" if v is None else f"{v:{spec}}"
+
+
+def render(gemms: list[dict], heads: list[dict], step: dict) -> str:
+    out = ["| phase | GEMM | M | N x K | cuBLAS bf16 us | _int_mm us | SGLang int8 us | qflash us | qflash weight GB/s (% of 4.3 TB/s) | TOPS | vs SGLang |",
+           "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in gemms:
+        out.append(f"| {r['phase']} | {r['gemm']} | {r['M']} | {r['N']}x{r['K']} | {_f(r['cublas_bf16_us'])} | {_f(r['int_mm_us'])} "
+                   f"| {_f(r['sglang_int8_us'])} | {_f(r['qflash_us'])} | {r['qflash_weight_gbps']:.0f} ({r['qflash_weight_gbps'] / HBM_TBPS / 10:.0f}%) "
+                   f"| {r['qflash_tops']:.0f} | {_f(r['vs_sglang'], '.2f')}x |")
+    out += ["", "| lm_head M | cuBLAS bf16 us | W8A16 us | W8A16 % of HBM | W8A16 + torch.argmax us | fused argmax us |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    out += [f"| {h['M']} | {_f(h['cublas_bf16_us'])} | {_f(h['w8a16_us'])} | {h['w8a16_hbm_pct']:.0f}% "
+            f"| {_f(h['w8a16_then_argmax_us'])} | {_f(h['fused_argmax_us'])} |" for h in heads]
+    out += ["", f"One target verify step at M = 16, all {sum(TARGET_COUNT.values())} body GEMMs: "
+            f"SGLang int8 {step['sglang_us']:.0f} us, qflash {step['qflash_us']:.0f} us ({step['sglang_us'] / step['qflash_us']:.2f}x); "
+            f"worst qflash/SGLang ratio over all rows {step['worst_vs_sglang']:.2f}x."]
+    return "\n".join(out) + "\n"
+
+
+def run_bench_kernels(out: Path) -> int:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    stock = _stock_path()
+    jobs = ([("verify", m, s) for s in TARGET for m in DECODE_M] + [("draft", m, s) for s in DRAFTER for m in DECODE_M]
+            + [("prefill", m, s) for s in TARGET + DRAFTER for m in PREFILL_M])
+    gemms = [gemm_row(phase, name, m, n, k, stock) for phase, m, (name, n, k) in jobs]
+    heads = [lm_head_row(m) for m in DECODE_M]
+    verify16 = {r["gemm"]: r for r in gemms if r["phase"] == "verify" and r["M"] == 16}
+    step = {"sglang_us": sum(TARGET_COUNT[g] * verify16[g]["sglang_int8_us"] for g in TARGET_COUNT),
+            "qflash_us": sum(TARGET_COUNT[g] * verify16[g]["qflash_us"] for g in TARGET_COUNT),
+            "worst_vs_sglang": min(r["vs_sglang"] for r in gemms if r["vs_sglang"] is not None)}
+    table = f"{torch.cuda.get_device_name()}: `qflash bench-kernels --out {out}`\n\n" + render(gemms, heads, step)
+    (out / "kernels.md").write_text(table)
+    (out / "kernels.json").write_bytes(orjson.dumps({"gemms": gemms, "lm_head": heads, "verify_step": step}, option=orjson.OPT_INDENT_2))
+    print(table)
+    return 0

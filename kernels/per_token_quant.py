@@ -1,0 +1,44 @@
+"""Per-token int8 quantization of activations: x_q = round(x / s), s = absmax(x row) / 127.
+
+Rounds half away from zero; the W8A8 GEMM's fused quantization uses the same rule, so both paths give
+the same x_q bit for bit.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _per_token_quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_K)
+    absmax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + row * stride_x + k + offs, mask=k + offs < K, other=0.0)
+        absmax = tl.maximum(absmax, tl.abs(x.to(tl.float32)))
+    scale = tl.maximum(tl.max(absmax, axis=0), 1e-10) / 127.0
+    for k in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + row * stride_x + k + offs, mask=k + offs < K, other=0.0).to(tl.float32) / scale
+        q = tl.where(x >= 0, x + 0.5, x - 0.5).to(tl.int8)
+        tl.store(q_ptr + row * stride_q + k + offs, q, mask=k + offs < K)
+    tl.store(scale_ptr + row, scale)
+
+
+@torch.library.custom_op("qflash::per_token_quant", mutates_args=())
+def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] bf16/fp16/fp32 -> (x_q int8 [M, K], scale fp32 [M])."""
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=torch.int8, device=x.device)
+    scale = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if M:
+        _per_token_quant_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), **CONFIG)
+    return q, scale
+
+
+@per_token_quant.register_fake
+def _(x):
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[:1], dtype=torch.float32)
+
+
+CONFIG = {"BLOCK_K": 1024, "num_warps": 4}

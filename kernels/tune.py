@@ -1,0 +1,98 @@
+"""`python -m qflash.kernels.tune`: time candidate launch configs on this GPU, write the fastest into the tables.
+
+Offline only: run once on the target GPU (sm90 for the H200) and commit the rewritten kernel files;
+serving reads the tables and never tunes. Each candidate is timed on random data with an L2 flush
+between runs (`triton.testing.do_bench`); configs that do not fit the chip are skipped.
+"""
+
+import argparse
+import time
+
+import torch
+import triton
+
+from qflash.kernels import config_table, w8a16_argmax, w8a16_gemm, w8a8_gemm
+from qflash.kernels.shapes import DECODE_M, DRAFTER, LM_HEAD, PREFILL_M, TARGET
+
+
+def w8a8_candidates(m: int) -> list[dict]:
+    if m > 128:
+        tiles = [(128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (128, 256, 128, 8, 3), (64, 128, 128, 4, 4),
+                 (128, 128, 64, 4, 4), (64, 256, 128, 8, 3), (128, 128, 128, 4, 3), (256, 128, 64, 8, 3)]
+        return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, QUANT_X=False, num_warps=w, num_stages=s)
+                for bm, bn, bk, w, s in tiles]
+    bm = min(max(m, 16), 64)
+    return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, QUANT_X=qx, num_warps=4, num_stages=s)
+            for bn in (32, 64, 128) for bk in (256, 512) for s in (3, 4) for qx in (True, False)]
+
+
+def w8a16_candidates(m: int, group: bool = True) -> list[dict]:
+    bm = min(max(m, 16), 64)
+    extra = {"GROUP_M": 1} if group else {}
+    return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **extra, num_warps=4, num_stages=4)
+            for bn in (64, 128) for bk in (128, 256)]
+
+
+def time_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=2, rep=10, return_mode="median")
+
+
+def best_config(run, candidates: list[dict]) -> tuple[dict, float]:
+    """The fastest candidate that runs; a config that does not fit the chip is skipped."""
+    timed = []
+    for cfg in candidates:
+        try:
+            timed.append((time_ms(lambda: run(cfg)), cfg))
+        except Exception as exc:  # out of shared memory or registers: triton raises at compile or launch
+            print(f"  skip {cfg}: {type(exc).__name__}")
+    if not timed:
+        raise RuntimeError(f"no candidate config runs: {candidates}")
+    ms, cfg = min(timed, key=lambda t: t[0])
+    return cfg, ms
+
+
+def int8_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda"),
+            torch.rand(n, device="cuda") / (127 * k ** 0.5) + 1e-6)
+
+
+def tune_w8a8() -> dict:
+    table = {}
+    jobs = ([("verify", m, s) for m in DECODE_M for s in TARGET] + [("draft", m, s) for m in DECODE_M for s in DRAFTER]
+            + [("prefill", m, s) for m in PREFILL_M for s in TARGET + DRAFTER])
+    for phase, m, (name, n, k) in jobs:
+        w, w_scale = int8_weight(n, k)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        cfg, ms = best_config(lambda c: w8a8_gemm.launch(x, w, w_scale, None, c), w8a8_candidates(m))
+        table[(phase, m, n, k)] = cfg
+        print(f"w8a8 {phase:7} M={m:5} {name:20} {ms * 1e3:9.1f} us  {n * k / ms / 1e9:7.0f} GB/s  {cfg}", flush=True)
+    return table
+
+
+def tune_lm_head(module, group: bool) -> dict:
+    table = {}
+    name, n, k = LM_HEAD
+    w, w_scale = int8_weight(n, k)
+    for m in DECODE_M:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        cfg, ms = best_config(lambda c: module.launch(x, w, w_scale, c), w8a16_candidates(m, group))
+        table[("lm_head", m, n, k)] = cfg
+        print(f"{module.__name__.split('.')[-1]} M={m:4} {ms * 1e3:9.1f} us  {n * k / ms / 1e9:7.0f} GB/s  {cfg}", flush=True)
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="python -m qflash.kernels.tune", description=__doc__).parse_args(argv)
+    machine = f"{torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))})"
+    start = time.monotonic()
+    for module, tune in ((w8a8_gemm, tune_w8a8), (w8a16_gemm, lambda: tune_lm_head(w8a16_gemm, group=True)),
+                         (w8a16_argmax, lambda: tune_lm_head(w8a16_argmax, group=False))):
+        table = tune()
+        config_table.write(module.__file__, table, machine)  # each table as soon as it is done
+        print(f"wrote {len(table)} configs to {module.__file__}", flush=True)
+    print(f"tuned in {time.monotonic() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

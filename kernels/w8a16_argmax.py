@@ -1,0 +1,73 @@
+"""Greedy token pick over a W8A16 lm_head without writing logits: argmax_n (x @ w_q^T * w_scale)[m, n].
+
+Each program scores one [BLOCK_M, BLOCK_N] tile in fp32 and keeps its row maxima and their first
+index; a tiny second pass over the tiles' partials picks the first overall maximum, as torch.argmax
+would over fp32 logits. Used for draft and verify token picks ([M, 248320] logits never exist).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from qflash.kernels import config_table
+from qflash.kernels.w8a16_gemm import DOT_DTYPE
+
+
+@triton.jit
+def _w8a16_argmax_kernel(x_ptr, w_ptr, w_scale_ptr, max_ptr, idx_ptr, M, N, K, stride_xm, stride_wn,
+                         num_tiles, DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_k)[None, :],
+                    mask=mask_m[:, None] & (k + offs_k < K)[None, :], other=0.0)
+        w = tl.load(w_ptr + offs_n[None, :] * stride_wn + (k + offs_k)[:, None],
+                    mask=mask_n[None, :] & (k + offs_k < K)[:, None], other=0)
+        acc += tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE))
+    logits = acc * tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    logits = tl.where(mask_n[None, :], logits, float("-inf"))
+    tile_max = tl.max(logits, axis=1)
+    tile_idx = tl.argmax(logits, axis=1) + pid_n * BLOCK_N
+    tl.store(max_ptr + offs_m * num_tiles + pid_n, tile_max, mask=mask_m)
+    tl.store(idx_ptr + offs_m * num_tiles + pid_n, tile_idx, mask=mask_m)
+
+
+def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, config: dict) -> torch.Tensor:
+    """Run with an explicit config (the tuner's entry); x [M, K] with unit stride in K -> int64 ids [M]."""
+    M, K = x.shape
+    N = w.shape[0]
+    num_tiles = triton.cdiv(N, config["BLOCK_N"])
+    tile_max = torch.empty((M, num_tiles), dtype=torch.float32, device=x.device)
+    tile_idx = torch.empty((M, num_tiles), dtype=torch.int32, device=x.device)
+    if M:
+        grid = (num_tiles, triton.cdiv(M, config["BLOCK_M"]))
+        _w8a16_argmax_kernel[grid](x, w, w_scale, tile_max, tile_idx, M, N, K, x.stride(0), w.stride(0),
+                                   num_tiles, DOT_DTYPE=DOT_DTYPE, **config)
+    best = tile_max.argmax(dim=1, keepdim=True)
+    return tile_idx.gather(1, best).squeeze(1).long()
+
+
+@torch.library.custom_op("qflash::w8a16_argmax", mutates_args=())
+def w8a16_argmax(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, phase: str = "lm_head") -> torch.Tensor:
+    """x bf16 [M, K], w int8 [N, K], w_scale fp32 [N] -> int64 [M]: the greedy token of each row."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    M, K = x.shape
+    config = config_table.lookup(CONFIGS, phase, M, w.shape[0], K, DEFAULT)
+    return launch(x, w, w_scale, config)
+
+
+@w8a16_argmax.register_fake
+def _(x, w, w_scale, phase="lm_head"):
+    return x.new_empty((x.shape[0],), dtype=torch.long)
+
+
+DEFAULT = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4)
+CONFIGS = {}

@@ -1,0 +1,79 @@
+"""W8A16 GEMM: y = (x @ w_q^T) * w_scale[n]; bf16 activations, int8 weights dequantized in the kernel.
+
+For the lm_head (N = 248,320, K = 2,560) and any layer where reading int8 weights with unquantized
+activations wins at small M: the weight read is the whole cost there, and it is halved against bf16.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from qflash.kernels import config_table
+
+# Triton's CPU interpreter multiplies bf16 operands as raw 16-bit integers: it gets fp32 operands.
+DOT_DTYPE = tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
+
+
+@triton.jit
+def _w8a16_gemm_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                       DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_k)[None, :],
+                    mask=mask_m[:, None] & (k + offs_k < K)[None, :], other=0.0)
+        w = tl.load(w_ptr + offs_n[None, :] * stride_wn + (k + offs_k)[:, None],
+                    mask=mask_n[None, :] & (k + offs_k < K)[:, None], other=0)
+        acc += tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE))
+    y = acc * tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, config: dict) -> torch.Tensor:
+    """Run the kernel with an explicit config (the tuner's entry); x [M, K] with unit stride in K."""
+    M, K = x.shape
+    N = w.shape[0]
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M:
+        grid = (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]),)
+        _w8a16_gemm_kernel[grid](x, w, w_scale, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
+                                 DOT_DTYPE=DOT_DTYPE, **config)
+    return y
+
+
+@torch.library.custom_op("qflash::w8a16_gemm", mutates_args=())
+def w8a16_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, phase: str = "lm_head") -> torch.Tensor:
+    """x bf16 [..., K], w int8 [N, K], w_scale fp32 [N] -> bf16 [..., N], config from the table for `phase`."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M, K = x2.shape
+    N = w.shape[0]
+    config = config_table.lookup(CONFIGS, phase, M, N, K, DEFAULT)
+    return launch(x2, w, w_scale, config).reshape(*x.shape[:-1], N)
+
+
+@w8a16_gemm.register_fake
+def _(x, w, w_scale, phase="lm_head"):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+DEFAULT = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+CONFIGS = {}

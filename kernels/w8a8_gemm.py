@@ -1,0 +1,106 @@
+"""W8A8 GEMM: y = (x_q @ w_q^T) * x_scale[m] * w_scale[n] (+ bias) on int8 tensor cores, int32 accumulation.
+
+x is bf16 [M, K]; w_q int8 [N, K] with fp32 per-output-channel scales. With QUANT_X the kernel quantizes
+x per token itself (absmax / 127, round half away from zero, as `per_token_quant`): at small M that
+saves a launch and the x_q round trip; at large M quantizing once beforehand wins. The table decides.
+Integer accumulation is exact, so every config gives the same bits.
+"""
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from qflash.kernels import config_table
+from qflash.kernels.per_token_quant import per_token_quant
+
+
+@triton.jit
+def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, M, N, K,
+                      stride_xm, stride_wn, stride_ym,
+                      QUANT_X: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    w_cols = w_ptr + offs_n[None, :] * stride_wn
+
+    if QUANT_X:
+        absmax = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            x = tl.load(x_rows + (k + offs_k)[None, :], mask=mask_m[:, None] & (k + offs_k < K)[None, :], other=0.0)
+            absmax = tl.maximum(absmax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+        x_scale = tl.maximum(absmax, 1e-10) / 127.0
+    else:
+        x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    for k in range(0, K, BLOCK_K):
+        x = tl.load(x_rows + (k + offs_k)[None, :], mask=mask_m[:, None] & (k + offs_k < K)[None, :], other=0)
+        if QUANT_X:
+            q = x.to(tl.float32) / x_scale[:, None]
+            x = tl.where(q >= 0, q + 0.5, q - 0.5).to(tl.int8)
+        w = tl.load(w_cols + (k + offs_k)[:, None], mask=mask_n[None, :] & (k + offs_k < K)[:, None], other=0)
+        acc += tl.dot(x, w, out_dtype=tl.int32)
+
+    w_scale = tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)
+    y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
+           config: dict) -> torch.Tensor:
+    """Run the kernel with an explicit config (the tuner's entry); x [M, K] with unit stride in K."""
+    M, K = x.shape
+    N = w.shape[0]
+    cfg = dict(config)
+    quant_x = cfg.pop("QUANT_X")
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    x_scale = w_scale
+    if not quant_x:
+        x, x_scale = per_token_quant(x)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    _w8a8_gemm_kernel[grid](x, w, x_scale, w_scale, w_scale if bias is None else bias, y, M, N, K,
+                            x.stride(0), w.stride(0), y.stride(0), QUANT_X=quant_x, HAS_BIAS=bias is not None, **cfg)
+    return y
+
+
+@torch.library.custom_op("qflash::w8a8_gemm", mutates_args=())
+def w8a8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
+              phase: str = "verify") -> torch.Tensor:
+    """x bf16 [..., K], w int8 [N, K], w_scale fp32 [N] -> bf16 [..., N], config from the table for `phase`."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M, K = x2.shape
+    N = w.shape[0]
+    config = config_table.lookup(CONFIGS, phase, M, N, K, DEFAULT_DECODE if M <= 128 else DEFAULT_PREFILL)
+    return launch(x2, w, w_scale, bias, config).reshape(*x.shape[:-1], N)
+
+
+@w8a8_gemm.register_fake
+def _(x, w, w_scale, bias=None, phase="verify"):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+DEFAULT_DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=True, num_warps=4, num_stages=4)
+DEFAULT_PREFILL = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, num_warps=8, num_stages=3)
+CONFIGS = {}

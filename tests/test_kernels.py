@@ -1,0 +1,180 @@
+"""qflash's Triton kernels on small shapes with ragged edges (CPU: Triton's interpreter, set in conftest).
+
+The interpreter truncates fp32 -> bf16 instead of rounding, so bf16 outputs are compared with a 1-ulp
+(2^-7 relative) tolerance here; the GPU tests hold the real rounding to 2^-8.
+"""
+
+import ast
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from qflash.kernels import config_table, shapes, w8a16_argmax, w8a16_gemm, w8a8_gemm
+from qflash.kernels.per_token_quant import per_token_quant
+from qflash.server import preset
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BF16_ULP = 2.0 ** -7
+W8A8_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, GROUP_M=1, QUANT_X=q, num_warps=4, num_stages=2)
+                for q in (True, False)] + [dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, QUANT_X=False, num_warps=4, num_stages=2)]
+W8A16_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
+
+
+def quant_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    xf = x.float()
+    scale = xf.abs().amax(dim=1).clamp_min(1e-10) / 127.0
+    q = xf / scale[:, None]
+    return torch.where(q >= 0, q + 0.5, q - 0.5).trunc().to(torch.int8), scale
+
+
+def int8_weight(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scale = torch.rand(n, generator=g) * 0.02 + 1e-3
+    return w.to(DEVICE), scale.to(DEVICE)
+
+
+def rel_err(y, ref):
+    return ((y.double() - ref).abs() / ref.abs().clamp_min(1e-12)).max().item()
+
+
+def test_per_token_quant_matches_the_rounding_rule_bit_for_bit():
+    x = torch.randn(7, 300, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16) * 3
+    x[2] = 0  # an all-zero row must not divide by zero
+    x[4, 17] = -1000.0
+    q, scale = per_token_quant(x.to(DEVICE))
+    q_ref, scale_ref = quant_reference(x)
+    assert torch.equal(q.cpu(), q_ref) and torch.equal(scale.cpu(), scale_ref)
+    assert q[2].abs().max() == 0 and q[4, 17] == -127
+
+
+@pytest.mark.parametrize("config", W8A8_CONFIGS, ids=["fused-quant", "separate-quant", "32x32x32-grouped"])
+def test_w8a8_integer_products_are_exact(config):
+    # Integer-valued rows with absmax 127 quantize to themselves (scale 1); with unit weight scales and
+    # fp32 output the result is the int32 accumulator itself, compared against int64 exactly.
+    g = torch.Generator().manual_seed(2)
+    x = torch.randint(-127, 128, (5, 100), generator=g).float()
+    x[:, 0] = 127.0
+    w, _ = int8_weight(40, 100)
+    y = w8a8_gemm.launch(x.to(DEVICE), w, torch.ones(40, device=DEVICE), None, config)
+    assert torch.equal(y.cpu().to(torch.int64), x.to(torch.int64) @ w.cpu().to(torch.int64).T)
+
+
+@pytest.mark.parametrize("config", W8A8_CONFIGS, ids=["fused-quant", "separate-quant", "32x32x32-grouped"])
+def test_w8a8_scaled_output_within_bf16_rounding(config):
+    x = torch.randn(37, 200, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    w, w_scale = int8_weight(72, 200)
+    bias = torch.randn(72, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(DEVICE)
+    y = w8a8_gemm.launch(x.to(DEVICE), w, w_scale, bias, config)
+    q, s = quant_reference(x)
+    ref = (q.double() @ w.cpu().double().T) * s.double()[:, None] * w_scale.cpu().double()[None, :] + bias.cpu().double()
+    assert y.dtype == torch.bfloat16 and rel_err(y.cpu(), ref) <= BF16_ULP + 1e-6
+
+
+def test_w8a8_fused_and_separate_quantization_give_the_same_bits():
+    x = torch.randn(20, 150, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(DEVICE)
+    w, w_scale = int8_weight(48, 150)
+    fused, separate = (w8a8_gemm.launch(x, w, w_scale, None, c) for c in W8A8_CONFIGS[:2])
+    assert torch.equal(fused, separate)
+
+
+def test_w8a8_custom_op_reshapes_and_uses_the_table():
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(DEVICE)
+    w, w_scale = int8_weight(32, 64)
+    y = torch.ops.qflash.w8a8_gemm(x, w, w_scale, None, "verify")
+    assert y.shape == (2, 3, 32)
+    assert torch.equal(y.reshape(6, 32), w8a8_gemm.launch(x.reshape(6, 64), w, w_scale, None, w8a8_gemm.DEFAULT_DECODE))
+
+
+def test_w8a16_gemm_within_bf16_rounding():
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    w, w_scale = int8_weight(100, 256)
+    y = w8a16_gemm.launch(x.to(DEVICE), w, w_scale, dict(W8A16_CONFIG, GROUP_M=1))
+    ref = (x.double() @ w.cpu().double().T) * w_scale.cpu().double()[None, :]
+    assert rel_err(y.cpu(), ref) <= BF16_ULP + 1e-4
+
+
+def test_fused_argmax_picks_the_greedy_token_without_logits():
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    w, w_scale = int8_weight(300, 128)  # 10 tiles of 32, the last one ragged
+    ids = w8a16_argmax.launch(x.to(DEVICE), w, w_scale, W8A16_CONFIG)
+    ref = ((x.double() @ w.cpu().double().T) * w_scale.cpu().double()[None, :]).argmax(dim=1)
+    assert ids.dtype == torch.int64 and torch.equal(ids.cpu(), ref)
+
+
+def test_argmax_tie_takes_the_first_index_across_tiles():
+    x = torch.ones(1, 64, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.zeros(100, 64, dtype=torch.int8, device=DEVICE)
+    w[[70, 40, 90]] = 1  # equal logits in three tiles; torch.argmax takes the first, 40
+    assert w8a16_argmax.launch(x, w, torch.ones(100, device=DEVICE), W8A16_CONFIG).item() == 40
+
+
+def test_fake_implementations_give_shapes_without_running():
+    with FakeTensorMode():
+        x = torch.empty(48, 2560, dtype=torch.bfloat16)
+        w = torch.empty(12288, 2560, dtype=torch.int8)
+        scale = torch.empty(12288)
+        assert torch.ops.qflash.w8a8_gemm(x, w, scale, None, "verify").shape == (48, 12288)
+        assert torch.ops.qflash.w8a16_gemm(x, w, scale, "lm_head").shape == (48, 12288)
+        ids = torch.ops.qflash.w8a16_argmax(x, w, scale, "lm_head")
+        assert ids.shape == (48,) and ids.dtype == torch.int64
+        q, s = torch.ops.qflash.per_token_quant(x)
+        assert (q.shape, q.dtype, s.shape) == ((48, 2560), torch.int8, (48,))
+
+
+def test_config_lookup_by_phase_and_m_bucket():
+    table = {("verify", 32, 64, 128): {"pick": "verify-32"}, ("prefill", 2048, 64, 128): {"pick": "prefill-2048"}}
+    default = {"pick": "default"}
+    assert config_table.lookup(table, "verify", 17, 64, 128, default)["pick"] == "verify-32"
+    assert config_table.lookup(table, "verify", 16, 64, 128, default)["pick"] == "default"
+    assert config_table.lookup(table, "prefill", 300, 64, 128, default)["pick"] == "prefill-2048"
+    assert config_table.lookup(table, "prefill", 100_000, 64, 128, default)["pick"] == "default"  # bucket 8192
+    with pytest.raises(ValueError, match="unknown GEMM phase"):
+        config_table.lookup(table, "decode", 16, 64, 128, default)
+
+
+def test_tuner_output_is_read_back_by_the_launcher(tmp_path):
+    path = tmp_path / "w8a8_gemm_copy.py"
+    path.write_text(open(w8a8_gemm.__file__).read())
+    table = {("prefill", 8192, 2560, 9216): dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, QUANT_X=False, num_warps=8, num_stages=3),
+             ("verify", 16, 64, 2560): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=True, num_warps=4, num_stages=4)}
+    config_table.write(path, table, "NVIDIA H200 (sm90)")
+    config_table.write(path, table, "NVIDIA H200 (sm90)")  # rewriting replaces, never appends
+    text = path.read_text()
+    assert text.count("CONFIGS = {") == 1 and text.count("# Tuned on NVIDIA H200 (sm90)") == 1
+    tree = ast.parse(text)
+    node = next(n for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "CONFIGS")
+    assert eval(compile(ast.Expression(node.value), str(path), "eval"), {"dict": dict}) == table
+    assert tree.body[-1] is node  # the table stays the file's last statement
+
+
+def test_shapes_follow_from_the_preset():
+    t, d = preset.TEXT_CONFIG, preset.DRAFTER_CONFIG
+    key, value = t["linear_num_key_heads"] * t["linear_key_head_dim"], t["linear_num_value_heads"] * t["linear_value_head_dim"]
+    q, kv = t["num_attention_heads"] * t["head_dim"], t["num_key_value_heads"] * t["head_dim"]
+    h, ffn = t["hidden_size"], t["intermediate_size"]
+    assert dict((n, (N, K)) for n, N, K in shapes.TARGET) == {
+        "gdn.in_proj_qkvz": (2 * key + 2 * value, h), "gdn.in_proj_ba": (2 * t["linear_num_value_heads"], h),
+        "gdn.out_proj": (h, value), "attn.qkv_proj": (2 * q + 2 * kv, h), "attn.o_proj": (h, q),
+        "mlp.gate_up_proj": (2 * ffn, h), "mlp.down_proj": (h, ffn)}
+    dq, dkv = d["num_attention_heads"] * d["head_dim"], d["num_key_value_heads"] * d["head_dim"]
+    assert dict((n, (N, K)) for n, N, K in shapes.DRAFTER) == {
+        "draft.qkv_proj": (dq + 2 * dkv, h), "draft.o_proj": (h, dq), "draft.gate_up_proj": (2 * ffn, h),
+        "draft.down_proj": (h, ffn), "draft.fc": (h, len(d["dflash_config"]["target_layer_ids"]) * h)}
+    assert shapes.LM_HEAD == ("lm_head", t["vocab_size"], h)
+    assert sum(shapes.TARGET_COUNT.values()) == 24 * 3 + 8 * 2 + 32 * 2
+
+
+def test_bench_kernels_table_renders():
+    from qflash.kernels.bench import render
+
+    row = {"phase": "verify", "gemm": "mlp.down_proj", "M": 16, "N": 2560, "K": 9216, "cublas_bf16_us": 14.0,
+           "int_mm_us": None, "sglang_int8_us": 12.0, "qflash_us": 8.0, "qflash_weight_gbps": 2949.1,
+           "qflash_tops": 94.4, "vs_sglang": 1.5}
+    head = {"M": 16, "cublas_bf16_us": 300.0, "w8a16_us": 170.0, "w8a16_hbm_pct": 87.0,
+            "w8a16_then_argmax_us": 190.0, "fused_argmax_us": 160.0}
+    table = render([row], [head], {"sglang_us": 1200.0, "qflash_us": 800.0, "worst_vs_sglang": 1.5})
+    assert "| verify | mlp.down_proj | 16 | 2560x9216 | 14.0 | - | 12.0 | 8.0 | 2949 (69%) | 94 | 1.50x |" in table
+    assert "| 16 | 300.0 | 170.0 | 87% | 190.0 | 160.0 |" in table
+    assert "SGLang int8 1200 us, qflash 800 us (1.50x)" in table

@@ -1,0 +1,72 @@
+"""qflash's kernels at every real Qwen3.5-4B shape and M, through the tables, against float64 (GPU only)."""
+
+import pytest
+import torch
+
+from qflash.kernels.shapes import DECODE_M, DRAFTER, LM_HEAD, PREFILL_M, TARGET
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+CASES = ([("verify", m, s) for s in TARGET for m in DECODE_M] + [("draft", m, s) for s in DRAFTER for m in DECODE_M]
+         + [("prefill", m, s) for s in TARGET + DRAFTER for m in PREFILL_M])
+
+
+def weight(n, k, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda", generator=g)
+    return w, torch.rand(n, device="cuda", generator=g) / (127 * k ** 0.5) + 1e-6
+
+
+def activations(m, k, seed):
+    return torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(seed))
+
+
+@pytest.mark.parametrize("phase, m, shape", CASES, ids=[f"{p}-{s[0]}-M{m}" for p, m, s in CASES])
+def test_w8a8_against_float64(phase, m, shape):
+    name, n, k = shape
+    x, (w, w_scale) = activations(m, k, m + n), weight(n, k, k)
+    y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    y[:] = torch.ops.qflash.w8a8_gemm(x, w, w_scale, None, phase)
+    xf = x.float()  # quantize as the kernels do, in fp32, so x_q is the same; the GEMM itself in fp64
+    scale = xf.abs().amax(dim=1).clamp_min(1e-10) / 127
+    q = xf / scale[:, None]
+    q = torch.where(q >= 0, q + 0.5, q - 0.5).trunc().double()
+    ref = (q @ w.double().T) * scale.double()[:, None] * w_scale.double()[None, :]
+    # bf16 rounds the exact int32 result once (half an ulp, 2^-9); fp32 scaling adds ~1e-7.
+    err = ((y.double() - ref).abs() / ref.abs().clamp_min(1e-30)).max().item()
+    assert not y.isnan().any() and err <= 2 ** -8, f"{name} M={m}: max relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("m", DECODE_M)
+def test_w8a16_lm_head_and_fused_argmax(m):
+    name, n, k = LM_HEAD
+    x, (w, w_scale) = activations(m, k, m), weight(n, k, 7)
+    logits = torch.ops.qflash.w8a16_gemm(x, w, w_scale, "lm_head")
+    ref = (x.double() @ w.double().T) * w_scale.double()[None, :]
+    assert ((logits.double() - ref).norm() / ref.norm()).item() < 4e-3
+    ids = torch.ops.qflash.w8a16_argmax(x, w, w_scale, "lm_head")
+    top2 = ref.topk(2, dim=1).values
+    tie = (top2[:, 0] - top2[:, 1]) <= 1e-3 * top2[:, 0].abs()
+    picked = ref.gather(1, ids[:, None]).squeeze(1)
+    assert torch.all((ids == ref.argmax(dim=1)) | (tie & (picked >= top2[:, 1])))
+
+
+def test_ops_capture_in_a_cuda_graph_and_compile():
+    x, (w, w_scale) = activations(16, 2560, 1), weight(12288, 2560, 2)
+    eager = torch.ops.qflash.w8a8_gemm(x, w, w_scale, None, "verify")
+    head_w, head_scale = weight(*LM_HEAD[1:], 3)
+    eager_ids = torch.ops.qflash.w8a16_argmax(x, head_w, head_scale, "lm_head")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = torch.ops.qflash.w8a8_gemm(x, w, w_scale, None, "verify")
+        ids = torch.ops.qflash.w8a16_argmax(x, head_w, head_scale, "lm_head")
+    y.zero_()
+    graph.replay()
+    assert torch.equal(y, eager) and torch.equal(ids, eager_ids)
+
+    @torch.compile(fullgraph=True)
+    def layer(x):
+        return torch.ops.qflash.w8a8_gemm(torch.nn.functional.silu(x), w, w_scale, None, "verify")
+
+    ref = torch.ops.qflash.w8a8_gemm(torch.nn.functional.silu(x), w, w_scale, None, "verify")
+    assert torch.equal(layer(x), ref)
