@@ -1,16 +1,16 @@
 """`qflash bench-kernels`: qflash's GEMMs against cuBLAS bf16, torch._int_mm and stock SGLang's int8 path.
 
 Every timing starts from bf16 activations (the int8 paths include their per-token quantization) and is
-the median of `triton.testing.do_bench`, which flushes L2 between runs, so weights come from HBM.
+GPU time with a cold L2 and no host overhead (`timing.cold_us`), as inside SGLang's CUDA graphs.
 """
 
 from pathlib import Path
 
 import orjson
 import torch
-import triton
 
 from qflash.kernels.per_token_quant import per_token_quant
+from qflash.kernels.timing import cold_us
 from qflash.kernels.shapes import DECODE_M, DRAFTER, LM_HEAD, PREFILL_M, TARGET, TARGET_COUNT
 from qflash.kernels.w8a16_argmax import w8a16_argmax
 from qflash.kernels.w8a16_gemm import w8a16_gemm
@@ -21,7 +21,7 @@ HBM_TBPS = 4.3  # device-to-device copy rate measured on the H200 (read + write)
 
 def time_us(fn) -> float | None:
     try:
-        return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
+        return cold_us(fn)
     except RuntimeError:  # e.g. torch._int_mm refuses some M
         return None
 

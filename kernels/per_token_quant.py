@@ -1,7 +1,8 @@
 """Per-token int8 quantization of activations: x_q = round(x / s), s = absmax(x row) / 127.
 
 Rounds half away from zero; the W8A8 GEMM's fused quantization uses the same rule, so both paths give
-the same x_q bit for bit.
+the same x_q bit for bit. Divisions are IEEE (`div_rn`): Triton's `/` is approximate on the GPU and
+would move values across rounding boundaries.
 """
 
 import torch
@@ -17,9 +18,10 @@ def _per_token_quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOC
     for k in range(0, K, BLOCK_K):
         x = tl.load(x_ptr + row * stride_x + k + offs, mask=k + offs < K, other=0.0)
         absmax = tl.maximum(absmax, tl.abs(x.to(tl.float32)))
-    scale = tl.maximum(tl.max(absmax, axis=0), 1e-10) / 127.0
+    scale = tl.div_rn(tl.maximum(tl.max(absmax, axis=0), 1e-10), 127.0)
     for k in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + row * stride_x + k + offs, mask=k + offs < K, other=0.0).to(tl.float32) / scale
+        x = tl.load(x_ptr + row * stride_x + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
+        x = tl.div_rn(x, tl.broadcast_to(scale, [BLOCK_K]))
         q = tl.where(x >= 0, x + 0.5, x - 0.5).to(tl.int8)
         tl.store(q_ptr + row * stride_q + k + offs, q, mask=k + offs < K)
     tl.store(scale_ptr + row, scale)

@@ -2,16 +2,16 @@
 
 Offline only: run once on the target GPU (sm90 for the H200) and commit the rewritten kernel files;
 serving reads the tables and never tunes. Each candidate is timed on random data with an L2 flush
-between runs (`triton.testing.do_bench`); configs that do not fit the chip are skipped.
+before each run and no host overhead (`timing.cold_us`); configs that do not fit the chip are skipped.
 """
 
 import argparse
 import time
 
 import torch
-import triton
 
 from qflash.kernels import config_table, w8a16_argmax, w8a16_gemm, w8a8_gemm
+from qflash.kernels.timing import cold_us
 from qflash.kernels.shapes import DECODE_M, DRAFTER, LM_HEAD, PREFILL_M, TARGET
 
 
@@ -33,22 +33,18 @@ def w8a16_candidates(m: int, group: bool = True) -> list[dict]:
             for bn in (64, 128) for bk in (128, 256)]
 
 
-def time_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=2, rep=10, return_mode="median")
-
-
 def best_config(run, candidates: list[dict]) -> tuple[dict, float]:
     """The fastest candidate that runs; a config that does not fit the chip is skipped."""
     timed = []
     for cfg in candidates:
         try:
-            timed.append((time_ms(lambda: run(cfg)), cfg))
+            timed.append((cold_us(lambda: run(cfg)), cfg))
         except Exception as exc:  # out of shared memory or registers: triton raises at compile or launch
             print(f"  skip {cfg}: {type(exc).__name__}")
     if not timed:
         raise RuntimeError(f"no candidate config runs: {candidates}")
-    ms, cfg = min(timed, key=lambda t: t[0])
-    return cfg, ms
+    us, cfg = min(timed, key=lambda t: t[0])
+    return cfg, us
 
 
 def int8_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,9 +59,9 @@ def tune_w8a8() -> dict:
     for phase, m, (name, n, k) in jobs:
         w, w_scale = int8_weight(n, k)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        cfg, ms = best_config(lambda c: w8a8_gemm.launch(x, w, w_scale, None, c), w8a8_candidates(m))
+        cfg, us = best_config(lambda c: w8a8_gemm.launch(x, w, w_scale, None, c), w8a8_candidates(m))
         table[(phase, m, n, k)] = cfg
-        print(f"w8a8 {phase:7} M={m:5} {name:20} {ms * 1e3:9.1f} us  {n * k / ms / 1e9:7.0f} GB/s  {cfg}", flush=True)
+        print(f"w8a8 {phase:7} M={m:5} {name:20} {us:9.1f} us  {n * k / us / 1e3:7.0f} GB/s  {cfg}", flush=True)
     return table
 
 
@@ -75,9 +71,9 @@ def tune_lm_head(module, group: bool) -> dict:
     w, w_scale = int8_weight(n, k)
     for m in DECODE_M:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        cfg, ms = best_config(lambda c: module.launch(x, w, w_scale, c), w8a16_candidates(m, group))
+        cfg, us = best_config(lambda c: module.launch(x, w, w_scale, c), w8a16_candidates(m, group))
         table[("lm_head", m, n, k)] = cfg
-        print(f"{module.__name__.split('.')[-1]} M={m:4} {ms * 1e3:9.1f} us  {n * k / ms / 1e9:7.0f} GB/s  {cfg}", flush=True)
+        print(f"{module.__name__.split('.')[-1]} M={m:4} {us:9.1f} us  {n * k / us / 1e3:7.0f} GB/s  {cfg}", flush=True)
     return table
 
 

@@ -43,7 +43,7 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, M
         for k in range(0, K, BLOCK_K):
             x = tl.load(x_rows + (k + offs_k)[None, :], mask=mask_m[:, None] & (k + offs_k < K)[None, :], other=0.0)
             absmax = tl.maximum(absmax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-        x_scale = tl.maximum(absmax, 1e-10) / 127.0
+        x_scale = tl.div_rn(tl.maximum(absmax, 1e-10), tl.full([BLOCK_M], 127.0, tl.float32))
     else:
         x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
 
@@ -51,7 +51,7 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, M
     for k in range(0, K, BLOCK_K):
         x = tl.load(x_rows + (k + offs_k)[None, :], mask=mask_m[:, None] & (k + offs_k < K)[None, :], other=0)
         if QUANT_X:
-            q = x.to(tl.float32) / x_scale[:, None]
+            q = tl.div_rn(x.to(tl.float32), tl.broadcast_to(x_scale[:, None], [BLOCK_M, BLOCK_K]))
             x = tl.where(q >= 0, q + 0.5, q - 0.5).to(tl.int8)
         w = tl.load(w_cols + (k + offs_k)[:, None], mask=mask_n[None, :] & (k + offs_k < K)[:, None], other=0)
         acc += tl.dot(x, w, out_dtype=tl.int32)

@@ -1,0 +1,60 @@
+"""GPU time of one call with a cold L2 and no host overhead, for the tuner and `qflash bench-kernels`.
+
+Timing eager calls measures Python dispatch (tens of microseconds) as much as the kernel, and
+repeating a call over one buffer measures L2 (60 MB on the H200, larger than most weights here).
+So `reps` calls, each after a write over 128 MiB, are captured in one CUDA graph; the same graph
+without the calls is timed too, and the difference per call is the answer (CUDA events, median).
+"""
+
+import statistics
+from functools import lru_cache
+
+import torch
+
+FLUSH_BYTES = 128 << 20
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph, rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+@lru_cache(maxsize=None)
+def _flush() -> torch.Tensor:
+    return torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
+
+
+def _capture(fn, reps: int) -> torch.cuda.CUDAGraph:
+    flush = _flush()  # allocated outside the graph's memory pool
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            flush.zero_()
+            if fn is not None:
+                fn()
+    return graph
+
+
+@lru_cache(maxsize=None)
+def _flush_only_ms(reps: int, rounds: int) -> float:
+    graph = _capture(None, reps)
+    _replay_ms(graph, 2)
+    return _replay_ms(graph, rounds)
+
+
+def cold_us(fn, reps: int = 10, rounds: int = 7) -> float:
+    """Median GPU microseconds of fn() with L2 flushed before it; fn must be CUDA-graph capturable."""
+    fn()  # compile and allocate outside the graph; a config that cannot run raises here
+    torch.cuda.synchronize()
+    graph = _capture(fn, reps)
+    _replay_ms(graph, 2)
+    took = _replay_ms(graph, rounds)
+    del graph
+    return max(took - _flush_only_ms(reps, rounds), 0.0) / reps * 1e3
