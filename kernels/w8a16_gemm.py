@@ -76,4 +76,10 @@ def _(x, w, w_scale, phase="lm_head"):
 
 
 DEFAULT = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
-CONFIGS = {}
+# Tuned on NVIDIA H200 (sm90) by `python -m qflash.kernels.tune`: (phase, M bucket, N, K) -> launch config.
+CONFIGS = {
+    ('lm_head', 16, 248320, 2560): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=4),
+    ('lm_head', 32, 248320, 2560): dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+    ('lm_head', 64, 248320, 2560): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+    ('lm_head', 128, 248320, 2560): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+}

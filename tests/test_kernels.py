@@ -5,14 +5,20 @@ The interpreter truncates fp32 -> bf16 instead of rounding, so bf16 outputs are 
 """
 
 import ast
+import json
 
 import pytest
 import torch
+import triton
 from torch._subclasses.fake_tensor import FakeTensorMode
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
 
 from qflash.kernels import config_table, shapes, w8a16_argmax, w8a16_gemm, w8a8_gemm
 from qflash.kernels.per_token_quant import per_token_quant
 from qflash.server import preset
+from conftest import REPO, run_python
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16_ULP = 2.0 ** -7
@@ -178,3 +184,47 @@ def test_bench_kernels_table_renders():
     assert "| verify | mlp.down_proj | 16 | 2560x9216 | 14.0 | - | 12.0 | 8.0 | 2949 (69%) | 94 | 1.50x |" in table
     assert "| 16 | 300.0 | 170.0 | 87% | 190.0 | 160.0 |" in table
     assert "SGLang int8 1200 us, qflash 800 us (1.50x)" in table
+
+
+def compile_for_sm90(kernel, pointers: dict, config: dict):
+    """Compile a kernel for an H200 (sm90) without a GPU: Triton's front end, ptxas included."""
+    fn = JITFunction(getattr(kernel, "fn", kernel))  # under the interpreter the kernel wraps the Python function
+    launch = {"num_warps", "num_stages"}
+    constexprs = {k: v for k, v in config.items() if k not in launch}
+    signature = {a: "constexpr" if a in constexprs else pointers.get(a, "i32") for a in fn.arg_names}
+    options = {k: v for k, v in config.items() if k in launch}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def distinct(configs):
+    return [dict(c) for c in {tuple(sorted(c.items())) for c in configs}]
+
+
+def compile_every_table_config() -> list[tuple[str, dict, bool]]:
+    """(kernel, config, uses wgmma) for every distinct config in the tables and defaults, compiled for sm90."""
+    scales = {"x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*i8", "y_ptr": "*bf16"}
+    done = []
+    for config in distinct([*w8a8_gemm.CONFIGS.values(), w8a8_gemm.DEFAULT_DECODE, w8a8_gemm.DEFAULT_PREFILL]):
+        pointers = {"x_ptr": "*bf16" if config["QUANT_X"] else "*i8", **scales}
+        kernel = compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, pointers, {**config, "HAS_BIAS": False})
+        done.append(("w8a8_gemm", config, "wgmma" in kernel.asm["ptx"]))
+    pointers = {"x_ptr": "*bf16", "max_ptr": "*fp32", "idx_ptr": "*i32", **scales}
+    for module, kernel in ((w8a16_gemm, w8a16_gemm._w8a16_gemm_kernel), (w8a16_argmax, w8a16_argmax._w8a16_argmax_kernel)):
+        for config in distinct([*module.CONFIGS.values(), module.DEFAULT]):
+            compiled = compile_for_sm90(kernel, pointers, {**config, "DOT_DTYPE": triton.language.bfloat16})
+            done.append((module.__name__.split(".")[-1], config, "wgmma" in compiled.asm["ptx"]))
+    return done
+
+
+def test_every_table_config_compiles_for_sm90():
+    # The interpreter patches triton.language while it runs, so compile in a process without it.
+    code = f"import json, sys\nsys.path.insert(0, {str(REPO / 'tests')!r})\nfrom test_kernels import compile_every_table_config\n" \
+           "print(json.dumps(compile_every_table_config()))"
+    result = run_python(code, env={"TRITON_INTERPRET": "0"}, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    done = json.loads(result.stdout.strip().splitlines()[-1])
+    tables = [*w8a8_gemm.CONFIGS.values(), *w8a16_gemm.CONFIGS.values(), *w8a16_argmax.CONFIGS.values()]
+    assert all(c in [d[1] for d in done] for c in tables)
+    # int8 tiles of 64+ rows use Hopper's wgmma; decode tiles of 16-32 rows use mma.sync.
+    assert all(wgmma == (c["BLOCK_M"] >= 64) for kernel, c, wgmma in done if kernel == "w8a8_gemm")

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from qflash.kernels.shapes import DECODE_M, DRAFTER, LM_HEAD, PREFILL_M, TARGET
+from test_kernels import quant_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -27,11 +28,11 @@ def test_w8a8_against_float64(phase, m, shape):
     x, (w, w_scale) = activations(m, k, m + n), weight(n, k, k)
     y = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     y[:] = torch.ops.qflash.w8a8_gemm(x, w, w_scale, None, phase)
-    xf = x.float()  # quantize as the kernels do, in fp32, so x_q is the same; the GEMM itself in fp64
-    scale = xf.abs().amax(dim=1).clamp_min(1e-10) / 127
-    q = xf / scale[:, None]
-    q = torch.where(q >= 0, q + 0.5, q - 0.5).trunc().double()
-    ref = (q @ w.double().T) * scale.double()[:, None] * w_scale.double()[None, :]
+    # Quantize on the CPU, where torch divides exactly (on CUDA it multiplies by 1/127): the same x_q as
+    # the kernels' IEEE divisions, then the GEMM in fp64.
+    q, scale = quant_reference(x.cpu())
+    q, scale = q.cuda().double(), scale.cuda().double()
+    ref = (q @ w.double().T) * scale[:, None] * w_scale.double()[None, :]
     # bf16 rounds the exact int32 result once (half an ulp, 2^-9); fp32 scaling adds ~1e-7.
     err = ((y.double() - ref).abs() / ref.abs().clamp_min(1e-30)).max().item()
     normwise = ((y.double() - ref).norm() / ref.norm()).item()
