@@ -1,4 +1,4 @@
-"""The `qflash` command: serve, make-dummy, bench, bench-kernels."""
+"""The `qflash` command: serve, make-dummy, quantize, bench, bench-kernels."""
 
 import argparse
 import sys
@@ -17,9 +17,20 @@ def _serve(args: argparse.Namespace, extra: list[str]) -> int:
 def _make_dummy(args: argparse.Namespace, extra: list[str]) -> int:
     from qflash.server.dummy import make_dummy
 
-    target, drafter = make_dummy(args.dir)
+    target, drafter = make_dummy(args.dir, weights=args.weights)
     print(f"target:  {target}\ndrafter: {drafter}")
     return 0
+
+
+def _quantize(args: argparse.Namespace, extra: list[str]) -> int:
+    from qflash.quant.quantize import CheckpointError, quantize_checkpoint
+
+    try:
+        print(f"wrote {quantize_checkpoint(args.src, args.dst, args.force)}")
+        return 0
+    except CheckpointError as exc:
+        print(f"qflash quantize: {exc}", file=sys.stderr)
+        return 2
 
 
 def _bench(args: argparse.Namespace, extra: list[str]) -> int:
@@ -49,7 +60,14 @@ def parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("make-dummy", help="write an offline Qwen3.5-4B + DFlash model (config + tokenizer)")
     d.add_argument("dir", type=Path)
+    d.add_argument("--weights", action="store_true", help="also write random bf16 target weights (~9.3 GB)")
     d.set_defaults(func=_make_dummy, passthrough=False)
+
+    q = sub.add_parser("quantize", help="Qwen3.5 checkpoint -> W8A8 body + W8A16 lm_head text checkpoint")
+    q.add_argument("src", type=Path)
+    q.add_argument("dst", type=Path)
+    q.add_argument("--force", action="store_true", help="overwrite DST if it exists")
+    q.set_defaults(func=_quantize, passthrough=False)
 
     from qflash.server.bench import add_bench_args
 
