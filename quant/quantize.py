@@ -1,8 +1,8 @@
 """`qflash quantize SRC DST`: a Hugging Face Qwen3.5 checkpoint to qflash's W8A8 text checkpoint.
 
 - Decoder-layer linears: int8 weights, symmetric per output channel, with fp32 `weight_scale` [N, 1], in
-  the compressed-tensors `int-quantized` layout (dynamic per-token int8 activations), so stock SGLang
-  loads the body too (`--quantization w8a8_int8` or compressed-tensors).
+  the compressed-tensors `int-quantized` layout (dynamic per-token int8 activations) that SGLang's own
+  compressed-tensors W8A8 int8 scheme reads, so stock SGLang can serve the same body for comparisons.
 - lm_head: untied from `embed_tokens` and stored int8 per channel (W8A16), described under its own config
   key `qflash_lm_head`; it is in the compressed-tensors `ignore` list, which stock methods skip.
 - Embeddings, norms, conv1d, A_log, dt_bias stay as they are. The vision tower's and MTP head's weights are
