@@ -1,8 +1,9 @@
-"""Per-token int8 quantization of activations: x_q = round(x / s), s = absmax(x row) / 127.
+"""Per-token int8 quantization of activations: x_q = round(x * (127 / absmax)), scale s = absmax / 127.
 
 Rounds half away from zero; the W8A8 GEMM's fused quantization uses the same rule, so both paths give
-the same x_q bit for bit. Divisions are IEEE (`div_rn`): Triton's `/` is approximate on the GPU and
-would move values across rounding boundaries.
+the same x_q bit for bit. The two divisions per row are IEEE (`div_rn`: Triton's `/` is approximate on
+the GPU); each element costs one multiply, and launches pass `enable_fp_fusion=False` so that multiply
+and the +-0.5 stay two roundings (an FMA would round once and differ from other paths).
 """
 
 import torch
@@ -18,10 +19,11 @@ def _per_token_quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOC
     for k in range(0, K, BLOCK_K):
         x = tl.load(x_ptr + row * stride_x + k + offs, mask=k + offs < K, other=0.0)
         absmax = tl.maximum(absmax, tl.abs(x.to(tl.float32)))
-    scale = tl.div_rn(tl.maximum(tl.max(absmax, axis=0), 1e-10), 127.0)
+    absmax = tl.maximum(tl.max(absmax, axis=0), 1e-10)
+    scale = tl.div_rn(absmax, 127.0)
+    inv = tl.div_rn(127.0, absmax)
     for k in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + row * stride_x + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
-        x = tl.div_rn(x, tl.broadcast_to(scale, [BLOCK_K]))
+        x = tl.load(x_ptr + row * stride_x + k + offs, mask=k + offs < K, other=0.0).to(tl.float32) * inv
         q = tl.where(x >= 0, x + 0.5, x - 0.5).to(tl.int8)
         tl.store(q_ptr + row * stride_q + k + offs, q, mask=k + offs < K)
     tl.store(scale_ptr + row, scale)
@@ -34,7 +36,8 @@ def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((M, K), dtype=torch.int8, device=x.device)
     scale = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M:
-        _per_token_quant_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), **CONFIG)
+        _per_token_quant_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), enable_fp_fusion=False,
+                                              **CONFIG)
     return q, scale
 
 

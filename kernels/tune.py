@@ -18,12 +18,13 @@ from qflash.kernels.shapes import DECODE_M, DRAFTER, LM_HEAD, PREFILL_M, TARGET
 def w8a8_candidates(m: int) -> list[dict]:
     if m > 128:
         tiles = [(128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (128, 256, 128, 8, 3), (64, 128, 128, 4, 4),
-                 (128, 128, 64, 4, 4), (64, 256, 128, 8, 3), (128, 128, 128, 4, 3), (256, 128, 64, 8, 3)]
+                 (128, 128, 64, 4, 4), (64, 256, 128, 8, 3), (128, 128, 128, 4, 3), (256, 128, 64, 8, 3),
+                 (128, 128, 128, 8, 4), (128, 256, 64, 8, 4)]
         return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, QUANT_X=False, num_warps=w, num_stages=s)
                 for bm, bn, bk, w, s in tiles]
     bm = min(max(m, 16), 64)
     return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, QUANT_X=qx, num_warps=4, num_stages=s)
-            for bn in (32, 64, 128) for bk in (256, 512) for s in (3, 4) for qx in (True, False)]
+            for bn in (16, 32, 64, 128) for bk in (256, 512) for s in (3, 4) for qx in (True, False)]
 
 
 def w8a16_candidates(m: int, group: bool = True) -> list[dict]:

@@ -1,7 +1,7 @@
 """W8A8 GEMM: y = (x_q @ w_q^T) * x_scale[m] * w_scale[n] (+ bias) on int8 tensor cores, int32 accumulation.
 
 x is bf16 [M, K]; w_q int8 [N, K] with fp32 per-output-channel scales. With QUANT_X the kernel quantizes
-x per token itself (absmax / 127, round half away from zero, as `per_token_quant`): at small M that
+x per token itself (the rule of `per_token_quant`, bit for bit, fp fusion off as there): at small M that
 saves a launch and the x_q round trip; at large M quantizing once beforehand wins. The table decides.
 Integer accumulation is exact, so every config gives the same bits.
 """
@@ -43,7 +43,9 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, M
         for k in range(0, K, BLOCK_K):
             x = tl.load(x_rows + (k + offs_k)[None, :], mask=mask_m[:, None] & (k + offs_k < K)[None, :], other=0.0)
             absmax = tl.maximum(absmax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-        x_scale = tl.div_rn(tl.maximum(absmax, 1e-10), tl.full([BLOCK_M], 127.0, tl.float32))
+        absmax = tl.maximum(absmax, 1e-10)
+        x_scale = tl.div_rn(absmax, tl.full([BLOCK_M], 127.0, tl.float32))
+        x_inv = tl.div_rn(tl.full([BLOCK_M], 127.0, tl.float32), absmax)
     else:
         x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
 
@@ -51,7 +53,7 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, M
     for k in range(0, K, BLOCK_K):
         x = tl.load(x_rows + (k + offs_k)[None, :], mask=mask_m[:, None] & (k + offs_k < K)[None, :], other=0)
         if QUANT_X:
-            q = tl.div_rn(x.to(tl.float32), tl.broadcast_to(x_scale[:, None], [BLOCK_M, BLOCK_K]))
+            q = x.to(tl.float32) * x_inv[:, None]
             x = tl.where(q >= 0, q + 0.5, q - 0.5).to(tl.int8)
         w = tl.load(w_cols + (k + offs_k)[:, None], mask=mask_n[None, :] & (k + offs_k < K)[:, None], other=0)
         acc += tl.dot(x, w, out_dtype=tl.int32)
@@ -79,7 +81,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
         x, x_scale = per_token_quant(x)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
     _w8a8_gemm_kernel[grid](x, w, x_scale, w_scale, w_scale if bias is None else bias, y, M, N, K,
-                            x.stride(0), w.stride(0), y.stride(0), QUANT_X=quant_x, HAS_BIAS=bias is not None, **cfg)
+                            x.stride(0), w.stride(0), y.stride(0), QUANT_X=quant_x, HAS_BIAS=bias is not None,
+                            enable_fp_fusion=False, **cfg)
     return y
 
 
@@ -105,12 +108,12 @@ DEFAULT_DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=Tr
 DEFAULT_PREFILL = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, num_warps=8, num_stages=3)
 # Tuned on NVIDIA H200 (sm90) by `python -m qflash.kernels.tune`: (phase, M bucket, N, K) -> launch config.
 CONFIGS = {
-    ('prefill', 64, 64, 2560): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
+    ('prefill', 64, 64, 2560): dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
     ('prefill', 64, 2560, 4096): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
     ('prefill', 64, 2560, 9216): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
     ('prefill', 64, 2560, 20480): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
     ('prefill', 64, 6144, 2560): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
-    ('prefill', 64, 10240, 2560): dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
+    ('prefill', 64, 10240, 2560): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=3),
     ('prefill', 64, 12288, 2560): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=3),
     ('prefill', 64, 18432, 2560): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=3),
     ('prefill', 2048, 64, 2560): dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, num_warps=4, num_stages=4),
@@ -123,32 +126,32 @@ CONFIGS = {
     ('prefill', 2048, 18432, 2560): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, num_warps=8, num_stages=3),
     ('prefill', 8192, 64, 2560): dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, num_warps=4, num_stages=4),
     ('prefill', 8192, 2560, 4096): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, num_warps=8, num_stages=3),
-    ('prefill', 8192, 2560, 9216): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, num_warps=8, num_stages=3),
-    ('prefill', 8192, 2560, 20480): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, num_warps=8, num_stages=3),
+    ('prefill', 8192, 2560, 9216): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, num_warps=4, num_stages=3),
+    ('prefill', 8192, 2560, 20480): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, num_warps=4, num_stages=3),
     ('prefill', 8192, 6144, 2560): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, num_warps=8, num_stages=3),
-    ('prefill', 8192, 10240, 2560): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, num_warps=4, num_stages=3),
-    ('prefill', 8192, 12288, 2560): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, num_warps=4, num_stages=3),
+    ('prefill', 8192, 10240, 2560): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, num_warps=8, num_stages=3),
+    ('prefill', 8192, 12288, 2560): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, num_warps=8, num_stages=3),
     ('prefill', 8192, 18432, 2560): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, num_warps=8, num_stages=3),
     ('verify', 16, 64, 2560): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
     ('verify', 16, 2560, 4096): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
     ('verify', 16, 2560, 9216): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
-    ('verify', 16, 10240, 2560): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
-    ('verify', 16, 12288, 2560): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=3),
-    ('verify', 16, 18432, 2560): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=3),
-    ('verify', 32, 64, 2560): dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
+    ('verify', 16, 10240, 2560): dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
+    ('verify', 16, 12288, 2560): dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=3),
+    ('verify', 16, 18432, 2560): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=3),
+    ('verify', 32, 64, 2560): dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
     ('verify', 32, 2560, 4096): dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
     ('verify', 32, 2560, 9216): dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
     ('verify', 32, 10240, 2560): dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
     ('verify', 32, 12288, 2560): dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
-    ('verify', 32, 18432, 2560): dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=3),
-    ('verify', 64, 64, 2560): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
+    ('verify', 32, 18432, 2560): dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=3),
+    ('verify', 64, 64, 2560): dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
     ('verify', 64, 2560, 4096): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
     ('verify', 64, 2560, 9216): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
-    ('verify', 64, 10240, 2560): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=3),
+    ('verify', 64, 10240, 2560): dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
     ('verify', 64, 12288, 2560): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=3),
     ('verify', 64, 18432, 2560): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=3),
-    ('verify', 128, 64, 2560): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
-    ('verify', 128, 2560, 4096): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
+    ('verify', 128, 64, 2560): dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
+    ('verify', 128, 2560, 4096): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
     ('verify', 128, 2560, 9216): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
     ('verify', 128, 10240, 2560): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=3),
     ('verify', 128, 12288, 2560): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=3),
@@ -166,11 +169,11 @@ CONFIGS = {
     ('draft', 64, 2560, 4096): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
     ('draft', 64, 2560, 9216): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
     ('draft', 64, 2560, 20480): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
-    ('draft', 64, 6144, 2560): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
+    ('draft', 64, 6144, 2560): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=3),
     ('draft', 64, 18432, 2560): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=3),
     ('draft', 128, 2560, 4096): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
-    ('draft', 128, 2560, 9216): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),
+    ('draft', 128, 2560, 9216): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=3),
     ('draft', 128, 2560, 20480): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=3),
-    ('draft', 128, 6144, 2560): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=3),
+    ('draft', 128, 6144, 2560): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=3),
     ('draft', 128, 18432, 2560): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=3),
 }

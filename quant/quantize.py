@@ -26,6 +26,7 @@ from qflash.quant.layout import DROPPED, TEXT, is_quantized_linear
 
 SHARD_BYTES = 2 << 30
 LM_HEAD = "lm_head.weight"
+LM_HEAD_KEY = "qflash_lm_head"  # quantization_config key describing the int8 lm_head
 
 
 class CheckpointError(ValueError):
@@ -50,7 +51,7 @@ def quantization_config(text_layers: int) -> dict:
             "input_activations": {**int8, "strategy": "token", "dynamic": True},
         }},
         "ignore": ["lm_head"],
-        "qflash_lm_head": {"format": "w8a16", "weights": {**int8, "strategy": "channel"}, "text_layers": text_layers},
+        LM_HEAD_KEY: {"format": "w8a16", "weights": {**int8, "strategy": "channel"}, "text_layers": text_layers},
     }
 
 
@@ -74,7 +75,8 @@ def _source_files(src: Path) -> tuple[dict, list[Path]]:
     return config, files
 
 
-def _output_config(config: dict) -> dict:
+def quantized_config(config: dict) -> dict:
+    """The output checkpoint's config.json: untied lm_head, the quantization_config above."""
     text = dict(config["text_config"], tie_word_embeddings=False)
     return {**config, "text_config": text, "tie_word_embeddings": False,
             "quantization_config": quantization_config(text["num_hidden_layers"])}
@@ -137,7 +139,7 @@ def quantize_checkpoint(src: Path, dst: Path, force: bool = False) -> Path:
             writer.add(LM_HEAD, q)
             writer.add("lm_head.weight_scale", scale)
         writer.close()
-        (tmp / "config.json").write_text(json.dumps(_output_config(config), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(quantized_config(config), indent=2) + "\n")
         for extra in src.iterdir():
             if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in ("config.json", "model.safetensors.index.json"):
                 shutil.copy2(extra, tmp / extra.name)

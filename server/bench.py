@@ -208,7 +208,7 @@ def _run_baseline(plan: list[dict], out: Path, progress) -> list[dict]:
 
 def _run_sglang(system: str, plan: list[dict], out: Path, port: int, acc_len: float, progress) -> list[dict]:
     extra, plugins = SGLANG_SYSTEMS[system]
-    target, drafter = dummy_model_dirs()
+    target, drafter = dummy_model_dirs(quantized=system == "qflash")
     server = ServerProcess(
         sglang_argv(target, drafter, extra, port=port),
         plugin_env(plugins, {"SGLANG_SIMULATE_ACC_LEN": str(acc_len)}),

@@ -2,7 +2,8 @@
 
 No weights can be downloaded, so the directories hold the exact published configs and an offline
 tokenizer; SGLang fills the weights at load time. A real checkpoint directory has the same layout, and
-`--weights` writes random ones of the real names and shapes for the quantizer.
+`--weights` writes random ones of the real names and shapes for the quantizer. `w8a8/Qwen3.5-4B` is the
+target as `qflash quantize` would write it (same folder name, so it is served as `Qwen3.5-4B` too).
 """
 
 import json
@@ -14,12 +15,13 @@ import torch
 from tqdm import tqdm
 
 from qflash.quant.layout import checkpoint_tensors
-from qflash.quant.quantize import ShardWriter
+from qflash.quant.quantize import ShardWriter, quantized_config
 from qflash.server.preset import DRAFTER_CONFIG, EOS_TOKEN_ID, SPECIAL_TOKENS, TARGET_CONFIG
 from qflash.server.tokenizer import build_tokenizer
 
 TARGET_DIR = "Qwen3.5-4B"
 DRAFTER_DIR = "Qwen3.5-4B-DFlash"
+W8A8_DIR = "w8a8"
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -27,18 +29,20 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 def make_dummy(root: Path, weights: bool = False) -> tuple[Path, Path]:
-    """Write `<root>/Qwen3.5-4B` and `<root>/Qwen3.5-4B-DFlash`; return (target, drafter) paths.
+    """Write `<root>/Qwen3.5-4B`, `<root>/Qwen3.5-4B-DFlash` and `<root>/w8a8/Qwen3.5-4B`; return the first two.
 
     With `weights`, the target also gets random bf16 weights, so `qflash quantize` has a checkpoint to read."""
     root = Path(root)
     target, drafter = root / TARGET_DIR, root / DRAFTER_DIR
     tokenizer = build_tokenizer()
     generation = {"eos_token_id": [SPECIAL_TOKENS["<|im_end|>"], EOS_TOKEN_ID], "do_sample": False}
-    for path, config in ((target, TARGET_CONFIG), (drafter, DRAFTER_CONFIG)):
+    w8a8 = root / W8A8_DIR / TARGET_DIR
+    for path, config in ((target, TARGET_CONFIG), (drafter, DRAFTER_CONFIG), (w8a8, quantized_config(TARGET_CONFIG))):
         path.mkdir(parents=True, exist_ok=True)
         _write_json(path / "config.json", config)
         tokenizer.save_pretrained(path)
-    _write_json(target / "generation_config.json", generation)
+    for path in (target, w8a8):
+        _write_json(path / "generation_config.json", generation)
     if weights:
         write_random_weights(target)
     return target, drafter

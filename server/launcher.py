@@ -4,6 +4,7 @@ The server is SGLang's own `sglang.launch_server`, run as a child process; qflas
 through its plugin (SGLANG_PLUGINS). `qflash bench` starts the stock systems with the same class.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -13,8 +14,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from qflash.server.dummy import DRAFTER_DIR, TARGET_DIR, is_dummy_dir, make_dummy
-from qflash.server.preset import DFLASH_FLAGS, HOST, PORT
+from qflash.quant.quantize import LM_HEAD_KEY
+from qflash.server.dummy import DRAFTER_DIR, TARGET_DIR, W8A8_DIR, is_dummy_dir, make_dummy
+from qflash.server.preset import DFLASH_FLAGS, HOST, PORT, QFLASH_W8A8_FLAGS
 
 DEFAULT_CACHE = Path(os.environ.get("QFLASH_CACHE", "~/.cache/qflash")).expanduser()
 
@@ -23,25 +25,33 @@ class ServerDied(RuntimeError):
     pass
 
 
-def dummy_model_dirs(cache: Path = DEFAULT_CACHE) -> tuple[Path, Path]:
-    """The offline dummy target and drafter, built once in the cache folder."""
+def dummy_model_dirs(cache: Path = DEFAULT_CACHE, quantized: bool = True) -> tuple[Path, Path]:
+    """The offline dummy target (qflash's W8A8 layout, or the bf16 original) and drafter, built once in the cache."""
     root = cache / "dummy"
-    target, drafter = root / TARGET_DIR, root / DRAFTER_DIR
+    target, drafter = (root / W8A8_DIR if quantized else root) / TARGET_DIR, root / DRAFTER_DIR
     if not (is_dummy_dir(target) and is_dummy_dir(drafter)):
         make_dummy(root)
     return target, drafter
 
 
+def is_qflash_checkpoint(target: Path) -> bool:
+    """True for a target written by `qflash quantize` (its quantization_config describes the int8 lm_head)."""
+    config = json.loads((Path(target) / "config.json").read_text())
+    return LM_HEAD_KEY in config.get("quantization_config", {})
+
+
 def sglang_argv(target: Path, drafter: Path, extra: list[str], host: str = HOST, port: int = PORT) -> list[str]:
     """The `sglang.launch_server` command for a target + DFlash drafter, served under the target folder's
-    name (e.g. `Qwen3.5-4B`); `extra` flags come last and win."""
+    name (e.g. `Qwen3.5-4B`); a qflash W8A8 target is served by qflash's quantization method, the drafter
+    quantized the same way; `extra` flags come last and win."""
     load = ["--load-format", "dummy"] if is_dummy_dir(target) else []
+    quant = QFLASH_W8A8_FLAGS if is_qflash_checkpoint(target) else []
     draft_load = ["--speculative-draft-load-format", "dummy" if is_dummy_dir(drafter) else "auto"]
     return [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(target), "--served-model-name", Path(target).name,
         "--speculative-draft-model-path", str(drafter),
-        *load, *draft_load, *DFLASH_FLAGS,
+        *load, *draft_load, *quant, *DFLASH_FLAGS,
         "--host", host, "--port", str(port),
         *extra,
     ]

@@ -4,11 +4,15 @@ They are written for SGLang 0.5.17 exactly and refuse to apply to any other vers
 symbol can change meaning between releases without notice.
 """
 
+import logging
 from importlib.metadata import version
+
+import torch
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 PINNED_SGLANG = "0.5.17"
+logger = logging.getLogger(__name__)
 
 
 def check_version() -> None:
@@ -52,3 +56,55 @@ def apply_openai_model_check() -> None:
         "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request",
         _reject_unknown_model, HookType.AROUND,
     )
+
+
+class Int8HeadDraftSampler:
+    """The in-graph DFlash draft pick over qflash's int8 lm_head: fused W8A16 argmax, no logits (one GPU).
+
+    Same interface as SGLang's `_DflashDraftSampler`: called in the draft CUDA graph with the block's
+    hidden states, writes the proposed ids of block positions 1.. into `out`."""
+
+    def __init__(self, lm_head, block_size: int, max_bs: int):
+        from qflash.quant.method import greedy_ids
+
+        self.greedy_ids, self.lm_head, self.block_size = greedy_ids, lm_head, int(block_size)
+        self.num_org = int(lm_head.shard_indices.num_org_elements)
+        self.out = torch.empty((max_bs * (self.block_size - 1),), dtype=torch.int64, device=lm_head.weight.device)
+
+    def __call__(self, hidden_states: torch.Tensor, input_ids=None) -> None:
+        hs = hidden_states.view(-1, self.block_size, hidden_states.shape[-1])[:, 1:, :].reshape(-1, hidden_states.shape[-1])
+        self.out[: hs.shape[0]].copy_(self.greedy_ids(self.lm_head, hs, self.num_org))
+
+
+def _draft_sampler(original, self):
+    # SGLang's in-graph draft pick multiplies by lm_head.weight directly, so it declines a quantized
+    # head and falls back to its eager pick, which would do the same int8 matmul. qflash's int8 head
+    # gets the fused W8A16 argmax instead, folded into the draft graph the same way.
+    from sglang.srt.distributed import get_tp_group
+    from sglang.srt.runtime_context import get_exec
+
+    from qflash.quant.method import is_int8_lm_head
+
+    lm_head = getattr(self._target_worker.model_runner.model, "lm_head", None)
+    if not is_int8_lm_head(lm_head):
+        return original(self)
+    if get_tp_group().world_size != 1:
+        raise NotImplementedError("qflash's int8 lm_head serves on one GPU (tensor parallel size 1)")
+    logger.info("qflash: DFLASH draft pick in the draft graph is the fused W8A16 argmax over the int8 lm_head")
+    return Int8HeadDraftSampler(lm_head, self.block_size, max(get_exec().graph.cuda_graph_config.decode.bs))
+
+
+def _eager_draft_pick(original, self, *, hidden_states, lm_head, **kwargs):
+    # The eager draft pick (batches without a draft graph): the same fused argmax for qflash's int8 head.
+    from qflash.quant.method import greedy_ids, is_int8_lm_head
+
+    if not is_int8_lm_head(lm_head):
+        return original(self, hidden_states=hidden_states, lm_head=lm_head, **kwargs)
+    return greedy_ids(lm_head, hidden_states, int(lm_head.shard_indices.num_org_elements))
+
+
+def apply_int8_lm_head_draft_pick() -> None:
+    check_version()
+    worker = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2."
+    HookRegistry.register(worker + "_maybe_build_draft_sampler", _draft_sampler, HookType.AROUND)
+    HookRegistry.register(worker + "_greedy_sample_from_vocab_parallel_head", _eager_draft_pick, HookType.AROUND)

@@ -14,8 +14,16 @@ def register_text_only() -> None:
 
 
 def register() -> None:
+    from sglang.srt.layers.quantization import QUANTIZATION_METHODS
     from sglang.srt.models.registry import ModelRegistry
+    from sglang.srt.server_args import QUANTIZATION_CHOICES, add_quantization_method_choices
+
+    from qflash.quant.method import NAME, QflashW8A8Config
 
     register_text_only()
     patches.apply_openai_model_check()
+    patches.apply_int8_lm_head_draft_pick()
     ModelRegistry.register(MODEL_PACKAGE, overwrite=True, strict=True)
+    QUANTIZATION_METHODS[NAME] = QflashW8A8Config
+    if NAME not in QUANTIZATION_CHOICES:
+        add_quantization_method_choices([NAME])

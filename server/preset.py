@@ -138,5 +138,9 @@ DFLASH_FLAGS = [
     "--context-length", str(CONTEXT_LENGTH),
 ]
 
+# How a qflash W8A8 checkpoint is served: the body and int8 lm_head by qflash's method (quant/method.py),
+# the bf16 DFlash drafter quantized at load by the same method.
+QFLASH_W8A8_FLAGS = ["--quantization", "qflash_w8a8", "--speculative-draft-model-quantization", "qflash_w8a8"]
+
 HOST = "127.0.0.1"
 PORT = 30000

@@ -22,7 +22,7 @@ if [ "${TESTS:-}" != 0 ]; then
   # shellcheck disable=SC2086
   timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest ${TESTS:--m gpu tests} -v -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "FAILED|ERROR|start-up|passed|failed|: 4[0-9][0-9] "
   pkill -f sglang.launch_server; sleep 3
-  cp "$QFLASH_CACHE"/logs/server-30000.log "$OUT/" 2>/dev/null
+  tar czf "$OUT/server-logs.tgz" -C "$QFLASH_CACHE" logs 2>/dev/null
 fi
 
 if [ "${BENCH_KERNELS:-0}" = 1 ]; then

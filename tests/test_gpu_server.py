@@ -1,18 +1,12 @@
 """The server end to end, started once through `./launch.sh` (GPU machine only: `pytest -m gpu`)."""
 
 import concurrent.futures
-import os
-import re
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import requests
 import torch
 
-from conftest import REPO
+from conftest import launched
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -24,25 +18,9 @@ CONTEXT = 16384
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """`./launch.sh` with no arguments: the dummy model, DFLASH K=16. Start-up time goes to the test log."""
-    out_path = tmp_path_factory.mktemp("launch") / "launch.out"
-    with open(out_path, "w") as out:
-        proc = subprocess.Popen([str(REPO / "launch.sh")], stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHON": sys.executable}, start_new_session=True)
-    start = time.monotonic()
-    try:
-        while not re.search(r"ready in \d+ s", out_path.read_text()):
-            assert proc.poll() is None, f"launch.sh exited:\n{out_path.read_text()}"
-            assert time.monotonic() - start < 900, "server not ready in 900 s"
-            time.sleep(1)
-        print(f"\nqflash start-up (launch.sh to ready): {time.monotonic() - start:.0f} s; {out_path.read_text().strip()}")
+    """`./launch.sh` with no arguments: the dummy W8A8 model on qflash's kernels, DFLASH K=16."""
+    with launched(log=tmp_path_factory.mktemp("launch") / "launch.out") as proc:
         yield proc
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")

@@ -29,8 +29,10 @@ W8A16_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=
 
 def quant_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
-    scale = xf.abs().amax(dim=1).clamp_min(1e-10) / 127.0
-    q = xf / scale[:, None]
+    absmax = xf.abs().amax(dim=1).clamp_min(1e-10)
+    # IEEE 127 / absmax (torch computes `127.0 / t` as reciprocal times 127), then x times it: as the kernels
+    q = xf * (torch.full_like(absmax, 127.0) / absmax)[:, None]
+    scale = absmax / 127.0
     return torch.where(q >= 0, q + 0.5, q - 0.5).trunc().to(torch.int8), scale
 
 
@@ -192,7 +194,7 @@ def compile_for_sm90(kernel, pointers: dict, config: dict):
     launch = {"num_warps", "num_stages"}
     constexprs = {k: v for k, v in config.items() if k not in launch}
     signature = {a: "constexpr" if a in constexprs else pointers.get(a, "i32") for a in fn.arg_names}
-    options = {k: v for k, v in config.items() if k in launch}
+    options = {k: v for k, v in config.items() if k in launch} | {"enable_fp_fusion": False}
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                           target=GPUTarget("cuda", 90, 32), options=options)
 

@@ -1,5 +1,6 @@
 """`./launch.sh` / `qflash serve`: argument handling, the dummy model by default, and the no-GPU message."""
 
+import json
 import os
 import shlex
 import subprocess
@@ -30,9 +31,11 @@ def test_no_arguments_builds_and_serves_the_dummy_model(cache):
     assert result.returncode == 0, result.stderr
     argv = shlex.split(result.stdout.strip().splitlines()[-1])
     assert argv[1:3] == ["-m", "sglang.launch_server"]
-    assert flag(argv, "--model-path") == str(cache / "dummy" / "Qwen3.5-4B")
+    # qflash's W8A8 layout of the target, served by qflash's method; the drafter quantized by it at load
+    assert flag(argv, "--model-path") == str(cache / "dummy" / "w8a8" / "Qwen3.5-4B")
     assert flag(argv, "--speculative-draft-model-path") == str(cache / "dummy" / "Qwen3.5-4B-DFlash")
-    assert (cache / "dummy" / "Qwen3.5-4B" / "tokenizer.json").exists()
+    assert (cache / "dummy" / "w8a8" / "Qwen3.5-4B" / "tokenizer.json").exists()
+    assert flag(argv, "--quantization") == "qflash_w8a8" and flag(argv, "--speculative-draft-model-quantization") == "qflash_w8a8"
     assert flag(argv, "--load-format") == "dummy" and flag(argv, "--speculative-draft-load-format") == "dummy"
     assert flag(argv, "--speculative-algorithm") == "DFLASH" and flag(argv, "--speculative-dflash-block-size") == "16"
     assert (flag(argv, "--host"), flag(argv, "--port")) == ("127.0.0.1", "30000")
@@ -51,6 +54,7 @@ def test_real_checkpoints_and_passthrough_flags(cache, tmp_path):
     assert result.returncode == 0, result.stderr
     argv = shlex.split(result.stdout.strip().splitlines()[-1])
     assert flag(argv, "--model-path") == str(target) and "--load-format" not in argv
+    assert "--quantization" not in argv  # a bf16 checkpoint is served as it is
     assert flag(argv, "--speculative-draft-load-format") == "auto"
     assert flag(argv, "--port") == "31000" and flag(argv, "--served-model-name") == "my-qwen"
     assert argv[-2:] == ["--mem-fraction-static", "0.8"]  # given flags come last, so they win
@@ -68,3 +72,19 @@ def test_without_a_gpu_it_says_so_in_one_line(cache):
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == ["qflash: no CUDA GPU is visible; qflash serves on an NVIDIA GPU (sm80 or newer)"]
     assert result.stdout == ""
+
+
+def test_a_quantized_checkpoint_is_served_by_qflash_w8a8(cache, tmp_path):
+    from qflash.quant.quantize import quantized_config
+    from qflash.server.preset import TARGET_CONFIG
+
+    target, drafter = tmp_path / "Qwen3.5-4B-W8A8", tmp_path / "drafter"
+    for d, config in ((target, quantized_config(TARGET_CONFIG)), (drafter, {})):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(config))
+        (d / "model.safetensors").write_bytes(b"")
+    result = launch("--model-path", str(target), "--draft-model-path", str(drafter), "--dry-run", cache=cache)
+    assert result.returncode == 0, result.stderr
+    argv = shlex.split(result.stdout.strip().splitlines()[-1])
+    assert flag(argv, "--quantization") == "qflash_w8a8" and flag(argv, "--speculative-draft-model-quantization") == "qflash_w8a8"
+    assert "--load-format" not in argv and flag(argv, "--served-model-name") == "Qwen3.5-4B-W8A8"

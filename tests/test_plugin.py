@@ -23,7 +23,7 @@ from sglang.srt.models.registry import ModelRegistry
 cls, _ = ModelRegistry.resolve_model_cls(["Qwen3_5ForConditionalGeneration"])
 mc = ModelConfig(sys.argv[1])
 print(json.dumps({"cls": cls.__module__ + "." + cls.__name__, "multimodal": mc.is_multimodal,
-                  "hidden": mc.hf_text_config.hidden_size, "mrope": mc.model_is_mrope}))
+                  "hidden": mc.hf_text_config.hidden_size, "mrope": mc.model_is_mrope, "quant": mc.quantization}))
 """
 
 
@@ -54,7 +54,22 @@ def test_text_only_plugin_keeps_the_stock_model(dummy_dirs):
 def test_qflash_plugin_serves_its_text_model(dummy_dirs):
     got = probe(dummy_dirs[0], "qflash")
     assert got == {"cls": "qflash.server.models.qwen3_5_text.Qwen3_5ForConditionalGeneration",
-                   "multimodal": False, "hidden": 2560, "mrope": True}
+                   "multimodal": False, "hidden": 2560, "mrope": True, "quant": None}
+
+
+def test_qflash_claims_its_w8a8_checkpoints_and_stock_sglang_reads_them_as_compressed_tensors(dummy_dirs):
+    w8a8 = dummy_dirs[0].parent / "w8a8" / "Qwen3.5-4B"
+    assert probe(w8a8, "qflash")["quant"] == "qflash_w8a8"
+    assert probe(w8a8, "qflash_text_only")["quant"] == "compressed-tensors"  # the int8 body, for stock A/B runs
+
+
+def test_draft_pick_hooks_wrap_the_dflash_worker():
+    code = ("from sglang.srt.plugins import load_plugins\nload_plugins()\n"
+            "from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2 as W\n"
+            "print(hasattr(W._maybe_build_draft_sampler, '__wrapped__'), "
+            "hasattr(W._greedy_sample_from_vocab_parallel_head, '__wrapped__'))")
+    assert run_python(code, env={"SGLANG_PLUGINS": "qflash"}).stdout.split() == ["True", "True"]
+    assert run_python(code, env={"SGLANG_PLUGINS": "qflash_text_only"}).stdout.split() == ["False", "False"]
 
 
 def test_qflash_model_class_has_dflash_capture():
@@ -86,6 +101,17 @@ def test_preset_server_arguments_pass_sglang_validation(dummy_dirs):
     result = run_python(code, *argv, env={"SGLANG_PLUGINS": "qflash"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == ["DFLASH", 16, None, "Qwen3.5-4B", "dummy", 16384]
+
+
+def test_w8a8_server_arguments_pass_sglang_validation(dummy_dirs):
+    argv = sglang_argv(dummy_dirs[0].parent / "w8a8" / "Qwen3.5-4B", dummy_dirs[1], ["--device", "cuda"])[3:]
+    code = ("import json, sys\nfrom sglang.srt.plugins import load_plugins\nload_plugins()\n"
+            "from sglang.srt.server_args import prepare_server_args\n"
+            "a = prepare_server_args(sys.argv[1:])\n"
+            "print(json.dumps([a.quantization, a.speculative_draft_model_quantization, a.served_model_name]))")
+    result = run_python(code, *argv, env={"SGLANG_PLUGINS": "qflash"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == ["qflash_w8a8", "qflash_w8a8", "Qwen3.5-4B"]
 
 
 def test_patches_refuse_another_sglang(monkeypatch):

@@ -3,7 +3,8 @@
 Registered under the checkpoint's own architecture name, `Qwen3_5ForConditionalGeneration`, so every
 arch-keyed SGLang rule for Qwen3.5 (mamba radix cache, prefill graphs) still applies. It builds SGLang's
 text-only Qwen3.5 (no vision tower, so no image processor) and adds what that class lacks for DFlash:
-`set_dflash_layers_to_capture`, and loading the multimodal checkpoint's `model.language_model.*` names.
+`set_dflash_layers_to_capture`, loading the multimodal checkpoint's `model.language_model.*` names, and
+loading the lm_head's tensors besides its weight (the int8 head's `weight_scale`), which that class drops.
 """
 
 from typing import Iterable, Optional
@@ -40,7 +41,17 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
         self.model.set_dflash_layers_to_capture([i + 1 for i in layer_ids])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights(text_only_weights(weights))
+        params, head_loaded = dict(self.named_parameters()), set()
+
+        def body_and_head_weight():
+            for name, tensor in text_only_weights(weights):
+                if name.startswith("lm_head.") and name != "lm_head.weight" and name in params:
+                    params[name].weight_loader(params[name], tensor)
+                    head_loaded.add(name)
+                else:
+                    yield name, tensor
+
+        return super().load_weights(body_and_head_weight()) | head_loaded
 
 
 EntryClass = [Qwen3_5ForConditionalGeneration]

@@ -1,0 +1,138 @@
+"""`qflash_w8a8`, the SGLang quantization method: real SGLang layers built with it, loaded, and run.
+
+SGLang's layers need its tensor-parallel state, so each check runs in a fresh interpreter that sets up a
+one-process group (gloo), builds the layer with qflash's config, loads weights through the layer's own
+weight loaders, and compares its forward with a float64 reference. On the CPU the kernels run in
+Triton's interpreter.
+"""
+
+import json
+
+import pytest
+import torch
+
+from conftest import REPO, run_python
+from qflash.quant.method import DECODE_MAX_M, NAME, QflashW8A8Config, gemm_phase
+from qflash.quant.quantize import quantized_config
+from qflash.server.preset import TARGET_CONFIG
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def setup_one_process():
+    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
+
+    init_distributed_environment(backend="gloo", world_size=1, rank=0, local_rank=0,
+                                 distributed_init_method="tcp://127.0.0.1:29533")
+    initialize_model_parallel(1)
+
+
+def reference(x, w_q, w_scale):
+    from test_kernels import quant_reference
+
+    q, s = quant_reference(x.cpu())
+    return (q.double() @ w_q.cpu().double().T) * s.double()[:, None] * w_scale.cpu().double().reshape(1, -1)
+
+
+def rel_err(y, ref):
+    return ((y.cpu().double() - ref).abs() / ref.abs().clamp_min(1e-12)).max().item()
+
+
+def check_checkpoint_linear():
+    from sglang.srt.layers.linear import MergedColumnParallelLinear
+
+    from qflash.quant.method import W8A8LinearMethod
+    from qflash.quant.quantize import quantize_per_channel
+
+    cfg = QflashW8A8Config.from_config(quantized_config(TARGET_CONFIG)["quantization_config"])
+    with torch.device(DEVICE):
+        layer = MergedColumnParallelLinear(64, [48, 40], bias=False, quant_config=cfg, prefix="model.layers.0.mlp.gate_up_proj")
+    assert type(layer.quant_method) is W8A8LinearMethod and layer.weight.dtype == torch.int8
+    g = torch.Generator().manual_seed(0)
+    shards = [quantize_per_channel(torch.randn(n, 64, generator=g).to(torch.bfloat16)) for n in (48, 40)]
+    for shard_id, (q, scale) in enumerate(shards):
+        layer.weight.weight_loader(layer.weight, q, shard_id)
+        layer.weight_scale.weight_loader(layer.weight_scale, scale, shard_id)
+    layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    y, _ = layer(x)
+    w_q, w_scale = torch.cat([q for q, _ in shards]), torch.cat([s for _, s in shards])
+    assert y.dtype == torch.bfloat16 and y.shape == (5, 88)
+    assert rel_err(y, reference(x, w_q, w_scale)) <= 2.0 ** -7 + 1e-6
+
+
+def check_ignored_linear_stays_bf16():
+    from sglang.srt.layers.linear import RowParallelLinear
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    cfg = QflashW8A8Config(ignore=["re:.*down_proj"], prequantized=True)
+    with torch.device(DEVICE):
+        layer = RowParallelLinear(64, 32, bias=False, quant_config=cfg, prefix="model.layers.0.mlp.down_proj",
+                                  params_dtype=torch.bfloat16)
+    assert type(layer.quant_method) is UnquantizedLinearMethod and layer.weight.dtype == torch.bfloat16
+
+
+def check_drafter_linear_quantized_at_load():
+    from sglang.srt.layers.linear import ReplicatedLinear
+
+    from qflash.quant.quantize import quantize_per_channel
+
+    with torch.device(DEVICE):
+        layer = ReplicatedLinear(64, 40, bias=False, quant_config=QflashW8A8Config(), prefix="layers.0.mlp.down_proj",
+                                 params_dtype=torch.bfloat16)
+    assert layer.weight.dtype == torch.bfloat16  # the drafter's checkpoint is bf16
+    w = torch.randn(40, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    layer.weight.weight_loader(layer.weight, w)
+    layer.quant_method.process_weights_after_loading(layer)
+    q, scale = quantize_per_channel(w.to(DEVICE))
+    assert torch.equal(layer.weight, q) and torch.equal(layer.weight_scale, scale.reshape(-1))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEVICE)
+    y, _ = layer(x)
+    assert rel_err(y, reference(x, q, scale)) <= 2.0 ** -7 + 1e-6
+
+
+def check_int8_lm_head():
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+
+    from qflash.quant.method import W8A16LMHeadMethod, greedy_ids, is_int8_lm_head
+    from qflash.quant.quantize import quantize_per_channel
+
+    cfg = QflashW8A8Config.from_config(quantized_config(TARGET_CONFIG)["quantization_config"])
+    with torch.device(DEVICE):
+        head = ParallelLMHead(100, 64, quant_config=cfg, prefix="lm_head")  # padded to 128 rows
+    assert type(head.quant_method) is W8A16LMHeadMethod and is_int8_lm_head(head)
+    w_q, w_scale = quantize_per_channel(torch.randn(100, 64, generator=torch.Generator().manual_seed(3)))
+    head.weight_loader(head.weight, w_q)
+    head.weight_loader(head.weight_scale, w_scale)
+    head.quant_method.process_weights_after_loading(head)
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(DEVICE)
+    logits = head.quant_method.apply(head, x)
+    ref = (x.cpu().double() @ w_q.double().T) * w_scale.double().T
+    assert logits.shape == (6, 128) and rel_err(logits[:, :100], ref) <= 2.0 ** -7 + 1e-4
+    assert torch.equal(greedy_ids(head, x, 100).cpu(), ref.argmax(dim=1))
+
+
+@pytest.mark.parametrize("check", ["check_checkpoint_linear", "check_ignored_linear_stays_bf16",
+                                   "check_drafter_linear_quantized_at_load", "check_int8_lm_head"])
+def test_sglang_layers_run_on_qflash_kernels(check):
+    code = (f"import sys\nsys.path.insert(0, {str(REPO / 'tests')!r})\nimport test_quant_method as t\n"
+            f"t.setup_one_process()\nt.{check}()\nprint('passed')")
+    result = run_python(code, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("passed"), result.stderr[-4000:]
+
+
+def test_checkpoint_config_is_claimed_only_for_qflash():
+    quant = quantized_config(TARGET_CONFIG)["quantization_config"]
+    assert QflashW8A8Config.override_quantization_method(quant, None) == NAME
+    assert QflashW8A8Config.override_quantization_method(quant, NAME) == NAME
+    assert QflashW8A8Config.override_quantization_method(quant, "w8a8_int8") is None  # asked for stock
+    stock = {k: v for k, v in quant.items() if k != "qflash_lm_head"}
+    assert QflashW8A8Config.override_quantization_method(stock, None) is None
+    cfg = QflashW8A8Config.from_config(json.loads(json.dumps(quant)))
+    assert (cfg.ignore, cfg.int8_lm_head, cfg.prequantized) == (["lm_head"], True, True)
+    assert (QflashW8A8Config().int8_lm_head, QflashW8A8Config().prequantized) == (False, False)
+
+
+def test_gemm_phase_follows_role_and_m():
+    assert [gemm_phase("verify", m) for m in (16, DECODE_MAX_M, DECODE_MAX_M + 1)] == ["verify", "verify", "prefill"]
+    assert gemm_phase("draft", 48) == "draft" and gemm_phase("draft", 8192) == "prefill"
