@@ -3,7 +3,10 @@
 x is bf16 [M, K]; w_q int8 [N, K] with fp32 per-output-channel scales. With QUANT_X the kernel quantizes
 x per token itself (the rule of `per_token_quant`, bit for bit, fp fusion off as there): at small M that
 saves a launch and the x_q round trip; at large M quantizing once beforehand wins. The table decides.
-Integer accumulation is exact, so every config gives the same bits.
+With SPLIT_K > 1 (small M, few output tiles: N = 2,560 gives 80 tiles of 32 columns for 132 SMs) each
+tile's K range is split over SPLIT_K programs that add their int32 sums atomically into a workspace;
+the last to arrive (per-tile counter) takes the total, resets workspace and counter to zero for the
+next call, and writes the output. Integer addition is associative, so every config gives the same bits.
 """
 
 from typing import Optional
@@ -17,11 +20,12 @@ from qflash.kernels.per_token_quant import per_token_quant
 
 
 @triton.jit
-def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, M, N, K,
+def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, ws_ptr, count_ptr, M, N, K,
                       stride_xm, stride_wn, stride_ym,
                       QUANT_X: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
+    split = tl.program_id(0) % SPLIT_K
+    pid = tl.program_id(0) // SPLIT_K
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     group = GROUP_M * num_n
@@ -49,8 +53,11 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, M
     else:
         x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
 
+    k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-    for k in range(0, K, BLOCK_K):
+    for k in range(k_lo, k_hi, BLOCK_K):
         x = tl.load(x_rows + (k + offs_k)[None, :], mask=mask_m[:, None] & (k + offs_k < K)[None, :], other=0)
         if QUANT_X:
             q = x.to(tl.float32) * x_inv[:, None]
@@ -58,12 +65,38 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, M
         w = tl.load(w_cols + (k + offs_k)[:, None], mask=mask_n[None, :] & (k + offs_k < K)[:, None], other=0)
         acc += tl.dot(x, w, out_dtype=tl.int32)
 
+    mask_y = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K > 1:
+        ws = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.atomic_add(ws, acc, mask=mask_y, sem="relaxed")
+        tl.debug_barrier()  # every thread's share is in before the tile's counter moves
+        last = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel") == SPLIT_K - 1
+        if last:
+            acc = tl.atomic_xchg(ws, tl.zeros_like(acc), mask=mask_y, sem="relaxed")
+            tl.atomic_xchg(count_ptr + pid, 0)
+        mask_y = mask_y & last
+
     w_scale = tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)
     y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_y)
+
+
+_split_k_buffers: dict = {}
+
+
+def split_k_buffers(device: torch.device, m: int, n: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The zeroed int32 workspace [M, N] and per-tile counters of one GEMM shape (kernels leave them zeroed).
+
+    One pair per (device, N): GEMMs of different shapes may run at once on SGLang's side streams."""
+    ws, counts = _split_k_buffers.get((device, n), (None, None))
+    if ws is None or ws.numel() < m * n or counts.numel() < tiles:
+        ws = torch.zeros(max(m, 128) * n, dtype=torch.int32, device=device)
+        counts = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _split_k_buffers[(device, n)] = ws, counts
+    return ws, counts
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
@@ -71,7 +104,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
     """Run the kernel with an explicit config (the tuner's entry); x [M, K] with unit stride in K."""
     M, K = x.shape
     N = w.shape[0]
-    cfg = dict(config)
+    cfg = {"SPLIT_K": 1, **config}
     quant_x = cfg.pop("QUANT_X")
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
@@ -79,10 +112,11 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
     x_scale = w_scale
     if not quant_x:
         x, x_scale = per_token_quant(x)
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-    _w8a8_gemm_kernel[grid](x, w, x_scale, w_scale, w_scale if bias is None else bias, y, M, N, K,
-                            x.stride(0), w.stride(0), y.stride(0), QUANT_X=quant_x, HAS_BIAS=bias is not None,
-                            enable_fp_fusion=False, **cfg)
+    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+    ws, counts = split_k_buffers(x.device, M, N, tiles) if cfg["SPLIT_K"] > 1 else (y, y)
+    _w8a8_gemm_kernel[(tiles * cfg["SPLIT_K"],)](
+        x, w, x_scale, w_scale, w_scale if bias is None else bias, y, ws, counts, M, N, K, x.stride(0), w.stride(0),
+        y.stride(0), QUANT_X=quant_x, HAS_BIAS=bias is not None, enable_fp_fusion=False, **cfg)
     return y
 
 
@@ -104,8 +138,8 @@ def _(x, w, w_scale, bias=None, phase="verify"):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
-DEFAULT_DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=True, num_warps=4, num_stages=4)
-DEFAULT_PREFILL = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, num_warps=8, num_stages=3)
+DEFAULT_DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=True, SPLIT_K=1, num_warps=4, num_stages=4)
+DEFAULT_PREFILL = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=8, num_stages=3)
 # Tuned on NVIDIA H200 (sm90) by `python -m qflash.kernels.tune`: (phase, M bucket, N, K) -> launch config.
 CONFIGS = {
     ('prefill', 64, 64, 2560): dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=512, GROUP_M=1, QUANT_X=False, num_warps=4, num_stages=4),

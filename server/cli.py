@@ -1,4 +1,4 @@
-"""The `qflash` command: serve, make-dummy, quantize, bench, bench-kernels."""
+"""The `qflash` command: serve, make-dummy, quantize, quality, bench, bench-kernels."""
 
 import argparse
 import sys
@@ -31,6 +31,15 @@ def _quantize(args: argparse.Namespace, extra: list[str]) -> int:
     except CheckpointError as exc:
         print(f"qflash quantize: {exc}", file=sys.stderr)
         return 2
+
+
+def _quality(args: argparse.Namespace, extra: list[str]) -> int:
+    import json
+
+    from qflash.quant.quality import compare
+
+    print(json.dumps(compare(args.bf16, args.w8a8, args.positions, args.device), indent=2))
+    return 0
 
 
 def _bench(args: argparse.Namespace, extra: list[str]) -> int:
@@ -68,6 +77,13 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("dst", type=Path)
     q.add_argument("--force", action="store_true", help="overwrite DST if it exists")
     q.set_defaults(func=_quantize, passthrough=False)
+
+    r = sub.add_parser("quality", help="relative error of hidden states and logits, W8A8 checkpoint vs its bf16 source")
+    r.add_argument("bf16", type=Path, help="the bf16 checkpoint that was quantized")
+    r.add_argument("w8a8", type=Path, help="its `qflash quantize` output")
+    r.add_argument("--positions", type=int, default=256)
+    r.add_argument("--device", default="cpu")
+    r.set_defaults(func=_quality, passthrough=False)
 
     from qflash.server.bench import add_bench_args
 

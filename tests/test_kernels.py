@@ -22,8 +22,11 @@ from conftest import REPO, run_python
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16_ULP = 2.0 ** -7
-W8A8_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, GROUP_M=1, QUANT_X=q, num_warps=4, num_stages=2)
-                for q in (True, False)] + [dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, QUANT_X=False, num_warps=4, num_stages=2)]
+W8A8_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, GROUP_M=1, QUANT_X=q, SPLIT_K=1, num_warps=4, num_stages=2)
+                for q in (True, False)] + [
+    dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=2),
+    dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=1, QUANT_X=False, SPLIT_K=3, num_warps=4, num_stages=2)]
+W8A8_IDS = ["fused-quant", "separate-quant", "32x32x32-grouped", "split-k-3"]
 W8A16_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
 
 
@@ -57,7 +60,7 @@ def test_per_token_quant_matches_the_rounding_rule_bit_for_bit():
     assert q[2].abs().max() == 0 and q[4, 17] == -127
 
 
-@pytest.mark.parametrize("config", W8A8_CONFIGS, ids=["fused-quant", "separate-quant", "32x32x32-grouped"])
+@pytest.mark.parametrize("config", W8A8_CONFIGS, ids=W8A8_IDS)
 def test_w8a8_integer_products_are_exact(config):
     # Integer-valued rows with absmax 127 quantize to themselves (scale 1); with unit weight scales and
     # fp32 output the result is the int32 accumulator itself, compared against int64 exactly.
@@ -69,7 +72,7 @@ def test_w8a8_integer_products_are_exact(config):
     assert torch.equal(y.cpu().to(torch.int64), x.to(torch.int64) @ w.cpu().to(torch.int64).T)
 
 
-@pytest.mark.parametrize("config", W8A8_CONFIGS, ids=["fused-quant", "separate-quant", "32x32x32-grouped"])
+@pytest.mark.parametrize("config", W8A8_CONFIGS, ids=W8A8_IDS)
 def test_w8a8_scaled_output_within_bf16_rounding(config):
     x = torch.randn(37, 200, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     w, w_scale = int8_weight(72, 200)
@@ -80,11 +83,20 @@ def test_w8a8_scaled_output_within_bf16_rounding(config):
     assert y.dtype == torch.bfloat16 and rel_err(y.cpu(), ref) <= BF16_ULP + 1e-6
 
 
-def test_w8a8_fused_and_separate_quantization_give_the_same_bits():
+def test_w8a8_fused_quantization_and_split_k_give_the_same_bits():
     x = torch.randn(20, 150, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(DEVICE)
     w, w_scale = int8_weight(48, 150)
-    fused, separate = (w8a8_gemm.launch(x, w, w_scale, None, c) for c in W8A8_CONFIGS[:2])
-    assert torch.equal(fused, separate)
+    fused, separate, _, split = (w8a8_gemm.launch(x, w, w_scale, None, c) for c in W8A8_CONFIGS)
+    assert torch.equal(fused, separate) and torch.equal(split, separate)
+
+
+def test_split_k_leaves_its_workspace_zeroed_for_the_next_call():
+    x = torch.randn(20, 150, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16).to(DEVICE)
+    w, w_scale = int8_weight(48, 150)
+    first = w8a8_gemm.launch(x, w, w_scale, None, W8A8_CONFIGS[3])
+    ws, counts = w8a8_gemm.split_k_buffers(x.device, 20, 48, 6)
+    assert not ws.any() and not counts.any()
+    assert torch.equal(w8a8_gemm.launch(x, w, w_scale, None, W8A8_CONFIGS[3]), first)
 
 
 def test_w8a8_custom_op_reshapes_and_uses_the_table():
@@ -205,11 +217,13 @@ def distinct(configs):
 
 def compile_every_table_config() -> list[tuple[str, dict, bool]]:
     """(kernel, config, uses wgmma) for every distinct config in the tables and defaults, compiled for sm90."""
-    scales = {"x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*i8", "y_ptr": "*bf16"}
+    scales = {"x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*i8", "y_ptr": "*bf16",
+              "ws_ptr": "*i32", "count_ptr": "*i32"}
     done = []
-    for config in distinct([*w8a8_gemm.CONFIGS.values(), w8a8_gemm.DEFAULT_DECODE, w8a8_gemm.DEFAULT_PREFILL]):
+    split_k = dict(w8a8_gemm.DEFAULT_DECODE, QUANT_X=False, SPLIT_K=4)  # the atomic split-K path compiles too
+    for config in distinct([*w8a8_gemm.CONFIGS.values(), w8a8_gemm.DEFAULT_DECODE, w8a8_gemm.DEFAULT_PREFILL, split_k]):
         pointers = {"x_ptr": "*bf16" if config["QUANT_X"] else "*i8", **scales}
-        kernel = compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, pointers, {**config, "HAS_BIAS": False})
+        kernel = compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, pointers, {"SPLIT_K": 1, **config, "HAS_BIAS": False})
         done.append(("w8a8_gemm", config, "wgmma" in kernel.asm["ptx"]))
     pointers = {"x_ptr": "*bf16", "max_ptr": "*fp32", "idx_ptr": "*i32", **scales}
     for module, kernel in ((w8a16_gemm, w8a16_gemm._w8a16_gemm_kernel), (w8a16_argmax, w8a16_argmax._w8a16_argmax_kernel)):

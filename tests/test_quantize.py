@@ -131,3 +131,13 @@ def test_bad_sources_give_clear_errors(case, message, tmp_path, capsys):
     assert main(["quantize", str(src), str(tmp_path / "out")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_quality_compares_the_w8a8_checkpoint_with_its_source(source, quantized, capsys):
+    assert main(["quality", str(source), str(quantized), "--positions", "32"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["quantized_linears"] == 3 * 5 + 4 + 4 * 3 + 1  # every body linear and the lm_head
+    # int8 per channel and per token: well under a few percent, and not zero (the W8A8 path did run)
+    for key in ("hidden_states", "logits"):
+        assert 1e-4 < report[key]["relative"] < 0.05, report
+    assert report["greedy_agreement"] > 0.5
