@@ -1,9 +1,9 @@
 """`qflash quality BF16_DIR W8A8_DIR`: what W8A8 and the W8A16 lm_head cost in accuracy, kernels aside.
 
 Builds the text model with transformers from the bf16 checkpoint and runs a fixed sequence of token ids;
-then swaps every quantized linear for qflash's W8A8 arithmetic on the quantized checkpoint's tensors
-(int8 weights, per-token int8 activations rounded as the kernels round them, fp32 scaling) and the
-lm_head for its int8 weight-only form, and runs the same ids again. Reports the relative error of the
+then loads the quantized checkpoint into it, every quantized linear swapped for qflash's W8A8 arithmetic
+(int8 weights, per-token int8 activations rounded as the kernels round them, fp32 scaling), the lm_head
+for its int8 weight-only form, the other tensors (norms, smoothed or not) copied, and runs the same ids. Reports the relative error of the
 final hidden states and the logits, and how often the greedy token agrees.
 """
 
@@ -45,9 +45,9 @@ class W8A8Linear(nn.Module):
 
 
 def _tensors(path: Path):
-    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
-    for shard in sorted(set(index.values())):
-        with safe_open(str(path / shard), framework="pt") as f:
+    """The text model's tensors of a checkpoint, under the text model's names."""
+    for shard in sorted(path.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
             for name in f.keys():
                 if not name.startswith(DROPPED):
                     yield name.replace(_LANGUAGE_MODEL, "model."), f.get_tensor(name)
@@ -76,17 +76,22 @@ def load_bf16(path: Path, device: str) -> Qwen3_5ForCausalLM:
     return model.eval()
 
 
-def swap_in_w8a8(model: Qwen3_5ForCausalLM, path: Path) -> int:
-    """Replace every linear that has an int8 weight in the quantized checkpoint; return how many."""
+def load_w8a8(model: Qwen3_5ForCausalLM, path: Path) -> int:
+    """Load the quantized checkpoint into `model`: each linear with an int8 weight becomes a W8A8Linear
+    (the lm_head weight-only), every other tensor (norms, possibly smoothed) is copied in; return the
+    number of linears swapped."""
     tensors = dict(_tensors(path))
     swapped = 0
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and name + ".weight_scale" in tensors:
-            w, s = tensors[name + ".weight"], tensors[name + ".weight_scale"]
+            w, s = tensors.pop(name + ".weight"), tensors.pop(name + ".weight_scale")
             parent, _, attr = name.rpartition(".")
             swap = W8A8Linear(w.to(module.weight.device), s.to(module.weight.device), quantize_input=name != "lm_head")
             setattr(model.get_submodule(parent) if parent else model, attr, swap)
             swapped += 1
+    _, unexpected = model.load_state_dict(tensors, strict=False)
+    if unexpected:
+        raise ValueError(f"{path}: tensors the text model does not have: {unexpected[:5]}")
     return swapped
 
 
@@ -112,7 +117,7 @@ def compare(bf16_dir: Path, w8a8_dir: Path, positions: int = 256, device: str = 
     vocab = model.config.vocab_size
     ids = torch.randint(min(1000, vocab // 2), vocab, (1, positions), generator=torch.Generator().manual_seed(seed)).to(device)
     hidden_ref, logits_ref = final_states(model, ids)
-    swapped = swap_in_w8a8(model, Path(w8a8_dir))
+    swapped = load_w8a8(model, Path(w8a8_dir))
     hidden, logits = final_states(model, ids)
     return {"positions": positions, "quantized_linears": swapped,
             "hidden_states": relative_errors(hidden, hidden_ref), "logits": relative_errors(logits, logits_ref),

@@ -9,13 +9,18 @@
   left out: this is the text model qflash serves (the config keeps `vision_config`, so a stock multimodal
   loader still builds; the tower is simply never loaded or used).
 
-Tensors are read one at a time; output is written in shards to a temporary folder renamed at the end.
+- Optional SmoothQuant (`--smooth CALIB.txt`): per-channel factors from the bf16 model's norm outputs over
+  the calibration text, folded into the norms and the linears they feed before quantizing (quant/smooth.py).
+
+Tensors are read one at a time (the calibration pass loads the bf16 model once); output is written in shards
+to a temporary folder renamed at the end.
 """
 
 import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import torch
 from safetensors import safe_open
@@ -23,10 +28,12 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from qflash.quant.layout import DROPPED, TEXT, is_quantized_linear
+from qflash.quant.smooth import apply as smooth_apply
 
 SHARD_BYTES = 2 << 30
 LM_HEAD = "lm_head.weight"
 LM_HEAD_KEY = "qflash_lm_head"  # quantization_config key describing the int8 lm_head
+SMOOTH_KEY = "qflash_smoothquant"  # quantization_config key: alpha and calibration size, when smoothed
 
 
 class CheckpointError(ValueError):
@@ -75,11 +82,24 @@ def _source_files(src: Path) -> tuple[dict, list[Path]]:
     return config, files
 
 
-def quantized_config(config: dict) -> dict:
-    """The output checkpoint's config.json: untied lm_head, the quantization_config above."""
+def quantized_config(config: dict, smoothing: Optional[dict] = None) -> dict:
+    """The output checkpoint's config.json: untied lm_head, the quantization_config above (plus how it
+    was smoothed, if it was)."""
     text = dict(config["text_config"], tie_word_embeddings=False)
-    return {**config, "text_config": text, "tie_word_embeddings": False,
-            "quantization_config": quantization_config(text["num_hidden_layers"])}
+    quant = quantization_config(text["num_hidden_layers"]) | ({SMOOTH_KEY: smoothing} if smoothing else {})
+    return {**config, "text_config": text, "tie_word_embeddings": False, "quantization_config": quant}
+
+
+def _smoothing_plan(src: Path, names: list, ids: torch.Tensor, alpha: float, device: str) -> dict:
+    """SmoothQuant factors from the bf16 model's norm outputs over the calibration ids (quant/smooth.py)."""
+    from qflash.quant import quality, smooth
+
+    model = quality.load_bf16(src, device)
+    act_absmax = smooth.activation_absmax(model, ids.reshape(1, -1).to(device))
+    del model
+    consumers = tuple(f".{c}.weight" for group in smooth.CONSUMERS.values() for c in group)
+    tensors = {n: h.get_tensor(n) for h, n in names if n in act_absmax or (n.startswith(TEXT) and n.endswith(consumers))}
+    return smooth.smoothing_plan(act_absmax, tensors, alpha)
 
 
 class ShardWriter:
@@ -109,7 +129,9 @@ class ShardWriter:
             json.dumps({"metadata": {"total_size": total}, "weight_map": self.weight_map}, indent=2) + "\n")
 
 
-def quantize_checkpoint(src: Path, dst: Path, force: bool = False) -> Path:
+def quantize_checkpoint(src: Path, dst: Path, force: bool = False, calibration_ids: Optional[torch.Tensor] = None,
+                        alpha: float = 0.5, device: str = "cpu") -> Path:
+    """Write DST from SRC; with calibration token ids, SmoothQuant-smooth the body first (quant/smooth.py)."""
     src, dst = Path(src), Path(dst)
     config, files = _source_files(src)
     if dst.exists() and not force:
@@ -120,10 +142,11 @@ def quantize_checkpoint(src: Path, dst: Path, force: bool = False) -> Path:
         writer, embed = ShardWriter(tmp), None
         handles = [safe_open(str(f), framework="pt") for f in files]
         names = [(h, n) for h in handles for n in h.keys()]
+        plan = {} if calibration_ids is None else _smoothing_plan(src, names, calibration_ids, alpha, device)
         for handle, name in tqdm(names, desc="qflash quantize", unit="tensor"):
             if name.startswith(DROPPED):
                 continue
-            tensor = handle.get_tensor(name)
+            tensor = smooth_apply(name, handle.get_tensor(name), plan)
             if is_quantized_linear(name) or name == LM_HEAD:
                 q, scale = quantize_per_channel(tensor)
                 writer.add(name, q)
@@ -139,7 +162,8 @@ def quantize_checkpoint(src: Path, dst: Path, force: bool = False) -> Path:
             writer.add(LM_HEAD, q)
             writer.add("lm_head.weight_scale", scale)
         writer.close()
-        (tmp / "config.json").write_text(json.dumps(quantized_config(config), indent=2) + "\n")
+        smoothing = None if calibration_ids is None else {"alpha": alpha, "calibration_tokens": calibration_ids.numel()}
+        (tmp / "config.json").write_text(json.dumps(quantized_config(config, smoothing), indent=2) + "\n")
         for extra in src.iterdir():
             if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in ("config.json", "model.safetensors.index.json"):
                 shutil.copy2(extra, tmp / extra.name)

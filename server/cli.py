@@ -26,7 +26,13 @@ def _quantize(args: argparse.Namespace, extra: list[str]) -> int:
     from qflash.quant.quantize import CheckpointError, quantize_checkpoint
 
     try:
-        print(f"wrote {quantize_checkpoint(args.src, args.dst, args.force)}")
+        ids = None
+        if args.smooth:
+            from transformers import AutoTokenizer
+
+            text = args.smooth.read_text()
+            ids = AutoTokenizer.from_pretrained(args.src)(text, return_tensors="pt").input_ids[0, :args.calibration_tokens]
+        print(f"wrote {quantize_checkpoint(args.src, args.dst, args.force, ids, args.alpha, args.device)}")
         return 0
     except CheckpointError as exc:
         print(f"qflash quantize: {exc}", file=sys.stderr)
@@ -76,6 +82,10 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("src", type=Path)
     q.add_argument("dst", type=Path)
     q.add_argument("--force", action="store_true", help="overwrite DST if it exists")
+    q.add_argument("--smooth", type=Path, metavar="CALIB.txt", help="SmoothQuant from this calibration text first")
+    q.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength (default 0.5)")
+    q.add_argument("--calibration-tokens", type=int, default=512, help="tokens of the text to use (default 512)")
+    q.add_argument("--device", default="cpu", help="where the calibration forward runs (cpu or cuda)")
     q.set_defaults(func=_quantize, passthrough=False)
 
     r = sub.add_parser("quality", help="relative error of hidden states and logits, W8A8 checkpoint vs its bf16 source")
