@@ -7,6 +7,7 @@
 # Device tool: carry [".gpu"] (a copy of ../shared/device, the offline SGLang bundle); bash tests/run_gpu.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/qflash-out}
+status=0  # non-zero at the end if the tests or a benchmark failed
 mkdir -p "$OUT"
 bash .gpu/install.sh /tmp/site >/dev/null && export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
@@ -14,25 +15,30 @@ export QFLASH_CACHE=/tmp/qflash-cache PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
 if [ "${TUNE:-0}" = 1 ]; then
-  timeout "${TUNE_TIMEOUT:-330}" python3 -m qflash.kernels.tune > "$OUT/tune.log" 2>&1; echo "tune rc=$?"; grep -E "wrote|tuned in" "$OUT/tune.log"
+  timeout "${TUNE_TIMEOUT:-330}" python3 -m qflash.kernels.tune > "$OUT/tune.log" 2>&1 || status=1
+  grep -E "wrote|tuned in" "$OUT/tune.log"
   cp kernels/w8a8_gemm.py kernels/w8a16_gemm.py kernels/w8a16_argmax.py "$OUT/"
 fi
 
 if [ "${TESTS:-}" != 0 ]; then
   # shellcheck disable=SC2086
-  timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest ${TESTS:--m gpu tests} -v -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | grep -E "FAILED|ERROR|start-up|passed|failed|: 4[0-9][0-9] "
+  timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest ${TESTS:--m gpu tests} -v -s -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1 || status=1
+  grep -E "FAILED|ERROR|ready after|passed|failed|: 4[0-9][0-9] |losslessness|accept length" "$OUT/gpu-tests.log"
   pkill -f sglang.launch_server; sleep 3
   tar czf "$OUT/server-logs.tgz" -C "$QFLASH_CACHE" logs 2>/dev/null
 fi
 
 if [ "${BENCH_KERNELS:-0}" = 1 ]; then
-  timeout "${BENCH_KERNELS_TIMEOUT:-240}" python3 -m qflash.server.cli bench-kernels --out /tmp/kbench 2>&1 | tail -n 20
+  timeout "${BENCH_KERNELS_TIMEOUT:-240}" python3 -m qflash.server.cli bench-kernels --out /tmp/kbench > /tmp/kbench.log 2>&1 || status=1
+  tail -n 20 /tmp/kbench.log
   cp /tmp/kbench/kernels.md /tmp/kbench/kernels.json "$OUT/" 2>/dev/null
 fi
 
 if [ -n "${BENCH:-}" ]; then
-  timeout "${BENCH_TIMEOUT:-480}" python3 -m qflash.server.cli bench --systems "$BENCH" --out /tmp/bench 2>&1 | tail -n 40
+  timeout "${BENCH_TIMEOUT:-480}" python3 -m qflash.server.cli bench --systems "$BENCH" --out /tmp/bench > /tmp/bench.log 2>&1 || status=1
+  tail -n 40 /tmp/bench.log
   pkill -f sglang.launch_server
   cp /tmp/bench/results.json /tmp/bench/results.md /tmp/bench/run.json /tmp/bench/latency.png "$OUT/" 2>/dev/null
   tar czf "$OUT/bench-logs.tgz" -C /tmp/bench logs 2>/dev/null
 fi
+exit $status
