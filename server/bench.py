@@ -6,6 +6,7 @@ before the next starts. Protocol: shared/reference/benchmark-protocol.md.
 """
 
 import argparse
+import contextlib
 import datetime
 import random
 import shlex
@@ -206,24 +207,30 @@ def _run_baseline(plan: list[dict], out: Path, progress) -> list[dict]:
     return samples
 
 
-def _run_sglang(system: str, plan: list[dict], out: Path, port: int, acc_len: float, progress) -> list[dict]:
+@contextlib.contextmanager
+def system_server(system: str, log: Path, port: int, acc_len: float, env: dict | None = None):
+    """One SGLang system of the scoreboard on the dummy model, started, ready, and stopped on exit."""
     extra, plugins = SGLANG_SYSTEMS[system]
     target, drafter = dummy_model_dirs(quantized=system == "qflash")
     server = ServerProcess(
         sglang_argv(target, drafter, extra, port=port),
-        plugin_env(plugins, {"SGLANG_SIMULATE_ACC_LEN": str(acc_len)}),
-        out / "logs" / f"{system}.log", f"http://127.0.0.1:{port}",
+        plugin_env(plugins, {"SGLANG_SIMULATE_ACC_LEN": str(acc_len), **(env or {})}), log, f"http://127.0.0.1:{port}",
     ).start()
     try:
         took = server.wait_ready()
         tqdm.write(f"{system}: ready in {took:.0f} s")
+        yield server
+    finally:
+        server.stop()
+
+
+def _run_sglang(system: str, plan: list[dict], out: Path, port: int, acc_len: float, progress) -> list[dict]:
+    with system_server(system, out / "logs" / f"{system}.log", port, acc_len) as server:
         samples = []
         for req in plan:
             samples.append({"bucket": req["bucket"], "warmup": req["warmup"], **time_request(server.base_url, req["input_ids"])})
             progress.update(1)
         return samples
-    finally:
-        server.stop()
 
 
 def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc_len: float, port: int = 30010) -> int:

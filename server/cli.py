@@ -1,4 +1,4 @@
-"""The `qflash` command: serve, make-dummy, quantize, quality, bench, bench-kernels."""
+"""The `qflash` command: serve, make-dummy, quantize, quality, bench, profile, bench-kernels."""
 
 import argparse
 import sys
@@ -54,6 +54,12 @@ def _bench(args: argparse.Namespace, extra: list[str]) -> int:
     return run_bench(args.systems, args.out, args.buckets, args.timed, args.acc_len)
 
 
+def _profile(args: argparse.Namespace, extra: list[str]) -> int:
+    from qflash.server.profile import run_profile
+
+    return run_profile(args.system, args.out, args.prompt_len, args.steps, args.acc_len)
+
+
 def _bench_kernels(args: argparse.Namespace, extra: list[str]) -> int:
     from qflash.kernels.bench import run_bench_kernels
 
@@ -100,6 +106,16 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="latency scoreboard: each system started, measured and stopped in turn")
     add_bench_args(b)
     b.set_defaults(func=_bench, passthrough=False)
+
+    from qflash.server.bench import ACCEPT_LEN, SGLANG_SYSTEMS
+
+    f = sub.add_parser("profile", help="GPU time of one speculative cycle by kernel family (SGLang's profiler)")
+    f.add_argument("--system", choices=list(SGLANG_SYSTEMS), default="qflash")
+    f.add_argument("--prompt-len", type=int, default=2048)
+    f.add_argument("--steps", type=int, default=10, help="cycles to record (default 10)")
+    f.add_argument("--acc-len", type=float, default=ACCEPT_LEN, help="SGLANG_SIMULATE_ACC_LEN (default 6.5)")
+    f.add_argument("--out", type=Path, required=True, help="folder for the trace, profile.md and profile.json")
+    f.set_defaults(func=_profile, passthrough=False)
 
     k = sub.add_parser("bench-kernels", help="qflash GEMMs vs cuBLAS bf16, torch._int_mm and SGLang int8 (GPU)")
     k.add_argument("--out", type=Path, required=True, help="folder for kernels.md and kernels.json")

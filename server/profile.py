@@ -1,0 +1,118 @@
+"""`qflash profile`: where a speculative cycle's time goes on the GPU, by kernel family.
+
+Starts a system as `qflash bench` does (dummy model, SGLANG_SIMULATE_ACC_LEN), sends one warm-up request,
+then streams one request of the given prompt length; a few cycles into its decoding (prefill done), SGLang's
+own profiler (`/start_profile`, CPU + GPU activities) records a fixed number of forward steps, each one
+DFlash draft + verify cycle.
+The trace's GPU kernels are summed by family per step; the window's wall time minus the busy time is
+the GPU waiting on the host (scheduler, Python, syncs between kernels).
+"""
+
+import gzip
+import json
+import re
+import time
+from pathlib import Path
+
+import requests
+
+from qflash.server.bench import OUTPUT_LEN, make_prompt, system_server
+
+# (family, kernel-name pattern): the first match wins; names are Triton / CUDA kernel symbols.
+FAMILIES = [
+    ("qflash W8A8 GEMM", r"_w8a8_gemm_kernel"),
+    ("qflash per-token quant", r"_per_token_quant_kernel"),
+    ("qflash W8A16 lm_head", r"_w8a16_gemm_kernel"),
+    ("qflash fused argmax", r"_w8a16_argmax_kernel"),
+    ("stock int8 GEMM + quant", r"int8|_per_token_quant_int8|i8i8|s8"),
+    ("bf16 GEMM (cuBLAS / CUTLASS)", r"gemm|cutlass|nvjet|xmma|sm90_|ampere_|cublas"),
+    ("Gated-DeltaNet", r"gated_delta|delta_rule|fused_recurrent|chunk_|gdn|conv1d|causal_conv|mamba|fused_gdn"),
+    ("attention", r"attention|attn|_fwd_kernel|decode_kernel|extend|flash"),
+    ("norms, rotary, activations", r"norm|rotary|rope|silu|gelu|act_and_mul|elementwise|vectorized|unrolled|reduce_kernel"),
+    ("sampling, argmax, top-k", r"argmax|argmin|topk|sort|softmax|sampl|cumsum|gather|scatter|index"),
+    ("copies and fills", r"memcpy|memset|copy|fill|cat"),
+]
+
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # torch profiler chrome-trace categories of GPU work
+SKIP_CYCLES = 4  # streamed chunks (one per cycle) before profiling starts: prefill and first cycles excluded
+
+
+def family(kernel_name: str) -> str:
+    return next((f for f, pattern in FAMILIES if re.search(pattern, kernel_name, re.I)), "other")
+
+
+def summarize(trace: dict, steps: int) -> dict:
+    """GPU time per kernel family per step, the busy (any stream) and wall time of the window, the top 'other'
+    kernels. Families sum every kernel; with side streams overlapping, they can add up to more than busy."""
+    kernels = [e for e in trace.get("traceEvents", []) if e.get("cat") in GPU_CATEGORIES and "dur" in e]
+    if not kernels:
+        raise ValueError("the trace has no GPU kernel events (was the profiler run with GPU activities?)")
+    start = min(e["ts"] for e in kernels)
+    window_us = max(e["ts"] + e["dur"] for e in kernels) - start
+    per_family, other = {}, {}
+    for e in kernels:
+        name = family(e["name"])
+        per_family[name] = per_family.get(name, 0.0) + e["dur"]
+        if name == "other":
+            other[e["name"]] = other.get(e["name"], 0.0) + e["dur"]
+    busy_us, reach = 0.0, start  # union of the kernels' intervals: side streams overlap the main one
+    for e in sorted(kernels, key=lambda e: e["ts"]):
+        end = e["ts"] + e["dur"]
+        busy_us += max(0.0, end - max(e["ts"], reach))
+        reach = max(reach, end)
+    ms = 1e-3 / steps
+    return {
+        "steps": steps, "window_ms": window_us * ms, "gpu_busy_ms": busy_us * ms, "gpu_idle_ms": (window_us - busy_us) * ms,
+        "families": {f: per_family[f] * ms for f in sorted(per_family, key=per_family.get, reverse=True)},
+        "top_other": [(n, us * ms) for n, us in sorted(other.items(), key=lambda kv: -kv[1])[:10]],
+    }
+
+
+def render(summary: dict, title: str) -> str:
+    window = summary["window_ms"]
+    lines = [title, "", f"Per step (mean of {summary['steps']}): window {window:.3f} ms, GPU busy "
+             f"{summary['gpu_busy_ms']:.3f} ms, GPU idle (host, gaps) {summary['gpu_idle_ms']:.3f} ms.", "",
+             "| kernel family | ms per step | share of window |", "| --- | ---: | ---: |"]
+    lines += [f"| {f} | {v:.3f} | {v / window:.0%} |" for f, v in summary["families"].items()]
+    lines.append(f"| GPU idle | {summary['gpu_idle_ms']:.3f} | {summary['gpu_idle_ms'] / window:.0%} |")
+    if summary["top_other"]:
+        lines += ["", "Largest kernels outside the families: " + ", ".join(f"`{n}` {v:.3f} ms" for n, v in summary["top_other"])]
+    return "\n".join(lines) + "\n"
+
+
+def _wait_for_trace(folder: Path, timeout_s: float = 300) -> Path:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        traces = sorted(folder.glob("*.trace.json.gz"))
+        if traces:
+            time.sleep(5)  # let the exporter finish writing
+            return traces[-1]
+        time.sleep(2)
+    raise TimeoutError(f"no profiler trace in {folder} after {timeout_s:.0f} s")
+
+
+def run_profile(system: str, out: Path, prompt_len: int, steps: int, acc_len: float, port: int = 30030) -> int:
+    out = Path(out).resolve()
+    traces = out / "traces"
+    traces.mkdir(parents=True, exist_ok=True)
+    with system_server(system, out / f"{system}.log", port, acc_len, {"SGLANG_TORCH_PROFILER_DIR": str(traces)}) as server:
+        sampling = {"max_new_tokens": OUTPUT_LEN, "temperature": 0.0, "ignore_eos": True}
+        for index in (0, 1):  # a warm-up request, then the profiled one
+            body = {"input_ids": make_prompt(prompt_len, index), "sampling_params": sampling, "stream": True}
+            with requests.post(server.base_url + "/generate", json=body, stream=True, timeout=600) as resp:
+                resp.raise_for_status()
+                chunks = (line for line in resp.iter_lines() if line.startswith(b"data:"))
+                for n, _ in enumerate(chunks):
+                    if index and n == SKIP_CYCLES:
+                        profile = {"output_dir": str(traces), "num_steps": steps, "activities": ["CPU", "GPU"],
+                                   "profile_prefix": system}
+                        requests.post(server.base_url + "/start_profile", json=profile, timeout=120).raise_for_status()
+        trace_path = _wait_for_trace(traces)
+    summary = summarize(json.loads(gzip.open(trace_path).read()), steps)
+    title = f"`qflash profile --system {system} --prompt-len {prompt_len} --steps {steps}`: {trace_path.name}"
+    table = render(summary, title)
+    (out / f"{system}-profile.md").write_text(table)
+    (out / f"{system}-profile.json").write_text(json.dumps(summary, indent=2))
+    print(table)
+    return 0

@@ -1,0 +1,52 @@
+"""`qflash profile`'s trace summary: GPU kernels of SGLang's torch-profiler trace summed by family per cycle."""
+
+import pytest
+
+from qflash.server.cli import parser
+from qflash.server.profile import family, render, summarize
+
+
+def kernel(name, ts, dur, cat="kernel"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def test_kernel_names_map_to_their_families():
+    assert family("_w8a8_gemm_kernel") == "qflash W8A8 GEMM"
+    assert family("_w8a16_argmax_kernel") == "qflash fused argmax"
+    assert family("chunk_gated_delta_rule_fwd_kernel_h_blockdim64") == "Gated-DeltaNet"
+    assert family("fused_recurrent_gated_delta_rule_fwd_kernel") == "Gated-DeltaNet"
+    assert family("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN") == "bf16 GEMM (cuBLAS / CUTLASS)"
+    assert family("_fwd_kernel_stage1") == "attention"
+    assert family("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>") == "norms, rotary, activations"
+    assert family("Memcpy DtoD (Device -> Device)") == "copies and fills"
+    assert family("my_new_kernel") == "other"
+
+
+def test_summary_per_step_with_idle_time_and_overlapping_streams():
+    trace = {"traceEvents": [
+        kernel("_w8a8_gemm_kernel", 0, 300), kernel("_per_token_quant_kernel", 300, 100),
+        kernel("fused_recurrent_gated_delta_rule_fwd_kernel", 500, 200),
+        kernel("_w8a16_argmax_kernel", 600, 200),  # overlaps the GDN kernel on a side stream
+        kernel("Memcpy HtoD (Pageable -> Device)", 900, 100, cat="gpu_memcpy"),
+        kernel("mystery", 1900, 100),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},  # host events are not GPU time
+    ]}
+    s = summarize(trace, steps=2)
+    assert s["window_ms"] == pytest.approx(1.0)  # 2000 us over 2 steps
+    assert s["gpu_busy_ms"] == pytest.approx((400 + 300 + 100 + 100) / 2e3)  # 500-800 counted once
+    assert s["gpu_idle_ms"] == pytest.approx(1.0 - 0.45)
+    assert s["families"]["qflash W8A8 GEMM"] == pytest.approx(0.15)
+    assert s["families"]["Gated-DeltaNet"] == pytest.approx(0.1) and s["families"]["qflash fused argmax"] == pytest.approx(0.1)
+    assert s["top_other"] == [("mystery", pytest.approx(0.05))]
+    table = render(s, "title")
+    assert "| qflash W8A8 GEMM | 0.150 | 15% |" in table and "| GPU idle | 0.550 | 55% |" in table
+
+
+def test_a_trace_without_gpu_events_is_refused():
+    with pytest.raises(ValueError, match="no GPU kernel events"):
+        summarize({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}]}, steps=1)
+
+
+def test_profile_command_line():
+    args = parser().parse_args(["profile", "--out", "/tmp/p", "--prompt-len", "8192"])
+    assert (args.system, args.prompt_len, args.steps, args.acc_len) == ("qflash", 8192, 10, 6.5)
