@@ -106,7 +106,7 @@ def run_profile(system: str, out: Path, prompt_len: int, steps: int, acc_len: fl
                 for n, _ in enumerate(chunks):
                     if index and n == SKIP_CYCLES:
                         profile = {"output_dir": str(traces), "num_steps": steps, "activities": ["CPU", "GPU"],
-                                   "profile_prefix": system}
+                                   "profile_prefix": system, "with_stack": False, "record_shapes": False}
                         requests.post(server.base_url + "/start_profile", json=profile, timeout=120).raise_for_status()
         trace_path = _wait_for_trace(traces)
     summary = summarize(json.loads(gzip.open(trace_path).read()), steps)
