@@ -208,12 +208,13 @@ def _run_baseline(plan: list[dict], out: Path, progress) -> list[dict]:
 
 
 @contextlib.contextmanager
-def system_server(system: str, log: Path, port: int, acc_len: float, env: dict | None = None):
-    """One SGLang system of the scoreboard on the dummy model, started, ready, and stopped on exit."""
+def system_server(system: str, log: Path, port: int, acc_len: float, env: dict | None = None, flags: list[str] = ()):
+    """One SGLang system of the scoreboard on the dummy model (plus extra SGLang `flags`), started, ready, and
+    stopped on exit."""
     extra, plugins = SGLANG_SYSTEMS[system]
     target, drafter = dummy_model_dirs(quantized=system == "qflash")
     server = ServerProcess(
-        sglang_argv(target, drafter, extra, port=port),
+        sglang_argv(target, drafter, [*extra, *flags], port=port),
         plugin_env(plugins, {"SGLANG_SIMULATE_ACC_LEN": str(acc_len), **(env or {})}), log, f"http://127.0.0.1:{port}",
     ).start()
     try:
@@ -224,8 +225,8 @@ def system_server(system: str, log: Path, port: int, acc_len: float, env: dict |
         server.stop()
 
 
-def _run_sglang(system: str, plan: list[dict], out: Path, port: int, acc_len: float, progress) -> list[dict]:
-    with system_server(system, out / "logs" / f"{system}.log", port, acc_len) as server:
+def _run_sglang(system: str, plan: list[dict], out: Path, port: int, acc_len: float, progress, flags: list[str]) -> list[dict]:
+    with system_server(system, out / "logs" / f"{system}.log", port, acc_len, flags=flags) as server:
         samples = []
         for req in plan:
             samples.append({"bucket": req["bucket"], "warmup": req["warmup"], **time_request(server.base_url, req["input_ids"])})
@@ -233,7 +234,9 @@ def _run_sglang(system: str, plan: list[dict], out: Path, port: int, acc_len: fl
         return samples
 
 
-def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc_len: float, port: int = 30010) -> int:
+def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc_len: float,
+              flags: list[str] = (), port: int = 30010) -> int:
+    """Every system in turn on the same requests; extra SGLang `flags` go to every SGLang system (for trials)."""
     out = Path(out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     plan = request_plan(buckets, timed)
@@ -251,7 +254,7 @@ def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc
                 if system == "baseline":
                     got = _run_baseline(plan, out, progress)
                 else:
-                    got = _run_sglang(system, plan, out, port, acc_len, progress)
+                    got = _run_sglang(system, plan, out, port, acc_len, progress, list(flags))
                 samples += [{"system": system, **s} for s in got]
             except (ServerDied, TimeoutError, RuntimeError, requests.RequestException) as exc:
                 errors[system] = str(exc)
@@ -283,7 +286,7 @@ def _csv(kind, choices=None):
     return parse
 
 
-def _positive_csv(text: str) -> list[int]:
+def positive_csv(text: str) -> list[int]:
     items = _csv(int)(text)
     if any(x <= 0 for x in items):
         raise argparse.ArgumentTypeError(f"{text!r}: bucket sizes must be positive")
@@ -301,6 +304,6 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", type=_csv(str, SYSTEMS), default=list(SYSTEMS),
                    help=f"comma list from {','.join(SYSTEMS)} (default: all)")
     p.add_argument("--out", type=Path, required=True, help="folder for results.json, results.md, latency.png, logs/")
-    p.add_argument("--buckets", type=_positive_csv, default=list(BUCKETS), help="prompt lengths (default 64,2048,8192)")
+    p.add_argument("--buckets", type=positive_csv, default=list(BUCKETS), help="prompt lengths (default 64,2048,8192)")
     p.add_argument("--timed", type=_positive_int, default=3, help="timed requests per bucket after 1 warm-up")
     p.add_argument("--acc-len", type=float, default=ACCEPT_LEN, help="SGLANG_SIMULATE_ACC_LEN for speculative systems")

@@ -51,13 +51,13 @@ def _quality(args: argparse.Namespace, extra: list[str]) -> int:
 def _bench(args: argparse.Namespace, extra: list[str]) -> int:
     from qflash.server.bench import run_bench
 
-    return run_bench(args.systems, args.out, args.buckets, args.timed, args.acc_len)
+    return run_bench(args.systems, args.out, args.buckets, args.timed, args.acc_len, extra)
 
 
 def _profile(args: argparse.Namespace, extra: list[str]) -> int:
     from qflash.server.profile import run_profile
 
-    return run_profile(args.system, args.out, args.prompt_len, args.steps, args.acc_len)
+    return run_profile(args.system, args.out, args.prompt_len, args.steps, args.acc_len, extra)
 
 
 def _bench_kernels(args: argparse.Namespace, extra: list[str]) -> int:
@@ -103,19 +103,23 @@ def parser() -> argparse.ArgumentParser:
 
     from qflash.server.bench import add_bench_args
 
-    b = sub.add_parser("bench", help="latency scoreboard: each system started, measured and stopped in turn")
+    b = sub.add_parser("bench", help="latency scoreboard: each system started, measured and stopped in turn "
+                       "(other flags go to every SGLang system, for trials)")
     add_bench_args(b)
-    b.set_defaults(func=_bench, passthrough=False)
+    b.set_defaults(func=_bench, passthrough=True)
 
     from qflash.server.bench import ACCEPT_LEN, SGLANG_SYSTEMS
 
-    f = sub.add_parser("profile", help="GPU time of one speculative cycle by kernel family (SGLang's profiler)")
+    from qflash.server.bench import positive_csv
+
+    f = sub.add_parser("profile", help="GPU time of one speculative cycle by kernel family and launch (SGLang's "
+                       "profiler); other flags go to the SGLang server")
     f.add_argument("--system", choices=list(SGLANG_SYSTEMS), default="qflash")
-    f.add_argument("--prompt-len", type=int, default=2048)
+    f.add_argument("--prompt-len", type=positive_csv, default=[2048], help="comma list of prompt lengths (one server)")
     f.add_argument("--steps", type=int, default=10, help="cycles to record (default 10)")
     f.add_argument("--acc-len", type=float, default=ACCEPT_LEN, help="SGLANG_SIMULATE_ACC_LEN (default 6.5)")
     f.add_argument("--out", type=Path, required=True, help="folder for the trace, profile.md and profile.json")
-    f.set_defaults(func=_profile, passthrough=False)
+    f.set_defaults(func=_profile, passthrough=True)
 
     k = sub.add_parser("bench-kernels", help="qflash GEMMs vs cuBLAS bf16, torch._int_mm and SGLang int8 (GPU)")
     k.add_argument("--out", type=Path, required=True, help="folder for kernels.md and kernels.json")

@@ -4,8 +4,10 @@ Starts a system as `qflash bench` does (dummy model, SGLANG_SIMULATE_ACC_LEN), s
 then streams one request of the given prompt length; a few cycles into its decoding (prefill done), SGLang's
 own profiler (`/start_profile`, CPU + GPU activities) records a fixed number of forward steps, each one
 DFlash draft + verify cycle.
-The trace's GPU kernels are summed by family per step; the window's wall time minus the busy time is
-the GPU waiting on the host (scheduler, Python, syncs between kernels).
+The trace's GPU kernels are summed by family per step and by launch: each CUDA-graph replay is one group
+(named by what it holds: the draft graph picks tokens with an argmax, the verify graph runs Gated-DeltaNet),
+kernels launched one by one are "eager". The window's wall time minus the busy time is the GPU waiting on the
+host (scheduler, Python, syncs between kernels).
 """
 
 import gzip
@@ -42,10 +44,32 @@ def family(kernel_name: str) -> str:
     return next((f for f, pattern in FAMILIES if re.search(pattern, kernel_name, re.I)), "other")
 
 
+def launch_groups(events: list[dict], kernels: list[dict]) -> dict[str, float]:
+    """GPU time (us) by launch: one group per CUDA-graph replay (kernels share its runtime call's correlation id),
+    named by content; kernels launched one at a time are summed as eager."""
+    graph_calls = {e["args"]["correlation"] for e in events
+                   if e.get("cat") == "cuda_runtime" and "GraphLaunch" in e.get("name", "") and "correlation" in e.get("args", {})}
+    replays: dict[int, list[dict]] = {}
+    totals: dict[str, float] = {}
+    for e in kernels:
+        corr = e.get("args", {}).get("correlation")
+        if corr in graph_calls:
+            replays.setdefault(corr, []).append(e)
+        else:
+            totals["eager kernels"] = totals.get("eager kernels", 0.0) + e["dur"]
+    for group in replays.values():
+        names = " ".join(e["name"] for e in group)
+        label = ("verify graph" if re.search(FAMILIES[6][1], names, re.I)
+                 else "draft graph" if re.search(r"argmax", names, re.I) else "other graph")
+        totals[label] = totals.get(label, 0.0) + sum(e["dur"] for e in group)
+    return totals
+
+
 def summarize(trace: dict, steps: int) -> dict:
     """GPU time per kernel family per step, the busy (any stream) and wall time of the window, the top 'other'
     kernels. Families sum every kernel; with side streams overlapping, they can add up to more than busy."""
-    kernels = [e for e in trace.get("traceEvents", []) if e.get("cat") in GPU_CATEGORIES and "dur" in e]
+    events = trace.get("traceEvents", [])
+    kernels = [e for e in events if e.get("cat") in GPU_CATEGORIES and "dur" in e]
     if not kernels:
         raise ValueError("the trace has no GPU kernel events (was the profiler run with GPU activities?)")
     start = min(e["ts"] for e in kernels)
@@ -65,6 +89,7 @@ def summarize(trace: dict, steps: int) -> dict:
     return {
         "steps": steps, "window_ms": window_us * ms, "gpu_busy_ms": busy_us * ms, "gpu_idle_ms": (window_us - busy_us) * ms,
         "families": {f: per_family[f] * ms for f in sorted(per_family, key=per_family.get, reverse=True)},
+        "launches": {k: v * ms for k, v in sorted(launch_groups(events, kernels).items(), key=lambda kv: -kv[1])},
         "top_other": [(n, us * ms) for n, us in sorted(other.items(), key=lambda kv: -kv[1])[:10]],
     }
 
@@ -76,6 +101,8 @@ def render(summary: dict, title: str) -> str:
              "| kernel family | ms per step | share of window |", "| --- | ---: | ---: |"]
     lines += [f"| {f} | {v:.3f} | {v / window:.0%} |" for f, v in summary["families"].items()]
     lines.append(f"| GPU idle | {summary['gpu_idle_ms']:.3f} | {summary['gpu_idle_ms'] / window:.0%} |")
+    lines += ["", "| launched as | ms per step | share of window |", "| --- | ---: | ---: |"]
+    lines += [f"| {k} | {v:.3f} | {v / window:.0%} |" for k, v in summary["launches"].items()]
     if summary["top_other"]:
         lines += ["", "Largest kernels outside the families: " + ", ".join(f"`{n}` {v:.3f} ms" for n, v in summary["top_other"])]
     return "\n".join(lines) + "\n"
@@ -92,27 +119,36 @@ def _wait_for_trace(folder: Path, timeout_s: float = 300) -> Path:
     raise TimeoutError(f"no profiler trace in {folder} after {timeout_s:.0f} s")
 
 
-def run_profile(system: str, out: Path, prompt_len: int, steps: int, acc_len: float, port: int = 30030) -> int:
-    out = Path(out).resolve()
-    traces = out / "traces"
+def _profile_one(server, system: str, traces: Path, prompt_len: int, steps: int) -> Path:
+    """Warm up at this length, then record `steps` cycles of a second request; returns the trace file."""
+    sampling = {"max_new_tokens": OUTPUT_LEN, "temperature": 0.0, "ignore_eos": True}
     traces.mkdir(parents=True, exist_ok=True)
-    with system_server(system, out / f"{system}.log", port, acc_len, {"SGLANG_TORCH_PROFILER_DIR": str(traces)}) as server:
-        sampling = {"max_new_tokens": OUTPUT_LEN, "temperature": 0.0, "ignore_eos": True}
-        for index in (0, 1):  # a warm-up request, then the profiled one
-            body = {"input_ids": make_prompt(prompt_len, index), "sampling_params": sampling, "stream": True}
-            with requests.post(server.base_url + "/generate", json=body, stream=True, timeout=600) as resp:
-                resp.raise_for_status()
-                chunks = (line for line in resp.iter_lines() if line.startswith(b"data:"))
-                for n, _ in enumerate(chunks):
-                    if index and n == SKIP_CYCLES:
-                        profile = {"output_dir": str(traces), "num_steps": steps, "activities": ["CPU", "GPU"],
-                                   "profile_prefix": system, "with_stack": False, "record_shapes": False}
-                        requests.post(server.base_url + "/start_profile", json=profile, timeout=120).raise_for_status()
-        trace_path = _wait_for_trace(traces)
-    summary = summarize(json.loads(gzip.open(trace_path).read()), steps)
-    title = f"`qflash profile --system {system} --prompt-len {prompt_len} --steps {steps}`: {trace_path.name}"
-    table = render(summary, title)
-    (out / f"{system}-profile.md").write_text(table)
-    (out / f"{system}-profile.json").write_text(json.dumps(summary, indent=2))
-    print(table)
+    for index in (0, 1):  # a warm-up request, then the profiled one
+        body = {"input_ids": make_prompt(prompt_len, index), "sampling_params": sampling, "stream": True}
+        with requests.post(server.base_url + "/generate", json=body, stream=True, timeout=600) as resp:
+            resp.raise_for_status()
+            chunks = (line for line in resp.iter_lines() if line.startswith(b"data:"))
+            for n, _ in enumerate(chunks):
+                if index and n == SKIP_CYCLES:
+                    profile = {"output_dir": str(traces), "num_steps": steps, "activities": ["CPU", "GPU"],
+                               "profile_prefix": system, "with_stack": False, "record_shapes": False}
+                    requests.post(server.base_url + "/start_profile", json=profile, timeout=120).raise_for_status()
+    return _wait_for_trace(traces)
+
+
+def run_profile(system: str, out: Path, prompt_lens: list[int], steps: int, acc_len: float,
+                flags: list[str] = (), port: int = 30030) -> int:
+    """Profile one server of `system` (plus extra SGLang `flags`) at each prompt length; one table per length."""
+    out = Path(out).resolve()
+    with system_server(system, out / f"{system}.log", port, acc_len, flags=list(flags)) as server:
+        found = [(n, _profile_one(server, system, out / "traces" / f"{system}-{n}", n, steps)) for n in prompt_lens]
+    report = {}
+    for prompt_len, trace_path in found:
+        summary = summarize(json.loads(gzip.open(trace_path).read()), steps)
+        extra = f" {' '.join(flags)}" if flags else ""
+        table = render(summary, f"`qflash profile --system {system} --prompt-len {prompt_len} --steps {steps}{extra}`: {trace_path.name}")
+        (out / f"{system}-{prompt_len}-profile.md").write_text(table)
+        report[prompt_len] = summary
+        print(table)
+    (out / f"{system}-profile.json").write_text(json.dumps({"flags": list(flags), "by_prompt_len": report}, indent=2))
     return 0

@@ -102,13 +102,19 @@ def test_chart_is_a_png(rows, tmp_path):
     (["--systems", "qflash"], "the following arguments are required: --out"),
     (["--out", "x", "--timed", "0"], "must be at least 1"),
     (["--out", "x", "--buckets", "64,-5"], "bucket sizes must be positive"),
-    (["--out", "x", "--surprise"], "unrecognized arguments: --surprise"),
 ])
 def test_cli_argument_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", *args])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_flags_bench_does_not_know_go_to_the_sglang_servers():
+    from qflash.server.cli import parser
+
+    args, extra = parser().parse_known_args(["bench", "--out", "x", "--systems", "qflash", "--speculative-attention-mode", "decode"])
+    assert args.passthrough and extra == ["--speculative-attention-mode", "decode"]
 
 
 def test_committed_h200_run_re_renders_from_its_samples():

@@ -3,11 +3,15 @@
 import pytest
 
 from qflash.server.cli import parser
-from qflash.server.profile import family, render, summarize
+from qflash.server.profile import family, launch_groups, render, summarize
 
 
-def kernel(name, ts, dur, cat="kernel"):
-    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+def kernel(name, ts, dur, cat="kernel", corr=None):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {} if corr is None else {"correlation": corr}}
+
+
+def runtime(name, corr):
+    return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": 0, "dur": 1, "args": {"correlation": corr}}
 
 
 def test_kernel_names_map_to_their_families():
@@ -38,8 +42,22 @@ def test_summary_per_step_with_idle_time_and_overlapping_streams():
     assert s["families"]["qflash W8A8 GEMM"] == pytest.approx(0.15)
     assert s["families"]["Gated-DeltaNet"] == pytest.approx(0.1) and s["families"]["qflash fused argmax"] == pytest.approx(0.1)
     assert s["top_other"] == [("mystery", pytest.approx(0.05))]
+    assert s["launches"] == {"eager kernels": pytest.approx(0.5)}  # no graph replays in this trace
     table = render(s, "title")
     assert "| qflash W8A8 GEMM | 0.150 | 15% |" in table and "| GPU idle | 0.550 | 55% |" in table
+    assert "| eager kernels | 0.500 | 50% |" in table
+
+
+def test_kernels_are_grouped_by_the_graph_replay_that_launched_them():
+    events = [runtime("cudaGraphLaunch", 1), runtime("cudaGraphLaunch", 2), runtime("cudaLaunchKernel", 3),
+              runtime("cudaGraphLaunch", 4)]
+    kernels = [
+        kernel("_w8a8_gemm_kernel", 0, 40, corr=1), kernel("_w8a16_argmax_kernel", 40, 10, corr=1),  # draft graph
+        kernel("_w8a8_gemm_kernel", 60, 100, corr=2), kernel("fused_recurrent_gated_delta_rule_fwd_kernel", 160, 30, corr=2),
+        kernel("index_select", 200, 5, corr=3),  # launched on its own
+        kernel("_w8a8_gemm_kernel", 210, 7, corr=4),  # a graph with neither argmax nor Gated-DeltaNet
+    ]
+    assert launch_groups(events + kernels, kernels) == {"draft graph": 50, "verify graph": 130, "eager kernels": 5, "other graph": 7}
 
 
 def test_a_trace_without_gpu_events_is_refused():
@@ -48,5 +66,6 @@ def test_a_trace_without_gpu_events_is_refused():
 
 
 def test_profile_command_line():
-    args = parser().parse_args(["profile", "--out", "/tmp/p", "--prompt-len", "8192"])
-    assert (args.system, args.prompt_len, args.steps, args.acc_len) == ("qflash", 8192, 10, 6.5)
+    args, extra = parser().parse_known_args(["profile", "--out", "/tmp/p", "--prompt-len", "64,8192", "--attention-backend", "flashinfer"])
+    assert (args.system, args.prompt_len, args.steps, args.acc_len) == ("qflash", [64, 8192], 10, 6.5)
+    assert extra == ["--attention-backend", "flashinfer"] and args.passthrough
