@@ -214,7 +214,7 @@ def system_server(system: str, log: Path, port: int, acc_len: float, env: dict |
     extra, plugins = SGLANG_SYSTEMS[system]
     target, drafter = dummy_model_dirs(quantized=system == "qflash")
     server = ServerProcess(
-        sglang_argv(target, drafter, [*extra, *flags], port=port),
+        sglang_argv(target, drafter, [*extra, *flags], port=port, stock=system != "qflash"),
         plugin_env(plugins, {"SGLANG_SIMULATE_ACC_LEN": str(acc_len), **(env or {})}), log, f"http://127.0.0.1:{port}",
     ).start()
     try:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from qflash.quant.quantize import LM_HEAD_KEY
 from qflash.server.dummy import DRAFTER_DIR, TARGET_DIR, W8A8_DIR, is_dummy_dir, make_dummy
-from qflash.server.preset import DFLASH_FLAGS, HOST, PORT, QFLASH_W8A8_FLAGS
+from qflash.server.preset import DFLASH_FLAGS, HOST, PORT, QFLASH_SERVING_FLAGS, QFLASH_W8A8_FLAGS
 
 DEFAULT_CACHE = Path(os.environ.get("QFLASH_CACHE", "~/.cache/qflash")).expanduser()
 
@@ -40,10 +40,11 @@ def is_qflash_checkpoint(target: Path) -> bool:
     return LM_HEAD_KEY in config.get("quantization_config", {})
 
 
-def sglang_argv(target: Path, drafter: Path, extra: list[str], host: str = HOST, port: int = PORT) -> list[str]:
+def sglang_argv(target: Path, drafter: Path, extra: list[str], host: str = HOST, port: int = PORT,
+                stock: bool = False) -> list[str]:
     """The `sglang.launch_server` command for a target + DFlash drafter, served under the target folder's
     name (e.g. `Qwen3.5-4B`); a qflash W8A8 target is served by qflash's quantization method, the drafter
-    quantized the same way; `extra` flags come last and win."""
+    quantized the same way; qflash's serving flags unless `stock`; `extra` flags come last and win."""
     load = ["--load-format", "dummy"] if is_dummy_dir(target) else []
     quant = QFLASH_W8A8_FLAGS if is_qflash_checkpoint(target) else []
     draft_load = ["--speculative-draft-load-format", "dummy" if is_dummy_dir(drafter) else "auto"]
@@ -51,7 +52,7 @@ def sglang_argv(target: Path, drafter: Path, extra: list[str], host: str = HOST,
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(target), "--served-model-name", Path(target).name,
         "--speculative-draft-model-path", str(drafter),
-        *load, *draft_load, *quant, *DFLASH_FLAGS,
+        *load, *draft_load, *quant, *DFLASH_FLAGS, *([] if stock else QFLASH_SERVING_FLAGS),
         "--host", host, "--port", str(port),
         *extra,
     ]

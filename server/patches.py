@@ -11,6 +11,8 @@ import torch
 
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+from qflash.graphs.monitor import EagerSteps, capture_report
+
 PINNED_SGLANG = "0.5.17"
 logger = logging.getLogger(__name__)
 
@@ -108,3 +110,44 @@ def apply_int8_lm_head_draft_pick() -> None:
     worker = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2."
     HookRegistry.register(worker + "_maybe_build_draft_sampler", _draft_sampler, HookType.AROUND)
     HookRegistry.register(worker + "_greedy_sample_from_vocab_parallel_head", _eager_draft_pick, HookType.AROUND)
+
+
+def _report_capture(original, self, *args, **kwargs):
+    # SGLang logs its own capture progress but not, per graph family, which shapes were captured, how long
+    # it took and what memory it holds; qflash's graph policy (graphs/policy.py) is checked against this.
+    import time
+
+    torch.cuda.synchronize()
+    free, start = torch.cuda.mem_get_info()[0], time.perf_counter()
+    result = original(self, *args, **kwargs)
+    torch.cuda.synchronize()
+    seconds, held = time.perf_counter() - start, free - torch.cuda.mem_get_info()[0]
+    role = "draft" if self.model_runner.is_draft_worker else "target"
+    if hasattr(self, "capture_bs"):  # decode runner: verify or draft graphs of bs x K tokens
+        report = capture_report(role, self.capture_forward_mode.name, list(self.capture_bs), self.captured_req_width, seconds, held)
+    else:  # piecewise prefill runner: token buckets
+        report = capture_report(role, "prefill", list(self.capture_num_tokens), 1, seconds, held)
+    logger.info(report)
+    return result
+
+
+EAGER_STEPS = EagerSteps()  # per server process
+
+
+def _count_eager_step(result, self, forward_batch, *args, **kwargs):
+    # SGLang falls back to eager forwards silently; each one costs the launch overhead the graphs exist to
+    # remove, so qflash counts them and logs each kind's 1st, 2nd, 4th, ... occurrence.
+    if not result.can_run_graph and not forward_batch.forward_mode.is_idle():
+        role = "draft" if self.is_draft_worker else "target"
+        line = EAGER_STEPS.record(role, forward_batch.forward_mode.name, forward_batch.batch_size, int(forward_batch.input_ids.numel()))
+        if line:
+            logger.info(line)
+    return result
+
+
+def apply_graph_monitor() -> None:
+    check_version()
+    runners = "sglang.srt.model_executor.runner."
+    HookRegistry.register(runners + "decode_cuda_graph_runner.DecodeCudaGraphRunner.capture", _report_capture, HookType.AROUND)
+    HookRegistry.register(runners + "prefill_cuda_graph_runner.PrefillCudaGraphRunner.capture", _report_capture, HookType.AROUND)
+    HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner._forward_raw", _count_eager_step, HookType.AFTER)

@@ -4,6 +4,8 @@ Values are those of the published checkpoints (see shared/reference/qwen35-4b-df
 every 4B value is written out because the library defaults are the 9B shapes.
 """
 
+from qflash.graphs.policy import graph_flags
+
 TARGET_ARCH = "Qwen3_5ForConditionalGeneration"
 VOCAB_SIZE = 248320
 HIDDEN_SIZE = 2560
@@ -124,6 +126,8 @@ DRAFTER_CONFIG = {
 
 # Context length served by default: the benchmark's longest prompt plus room for answers.
 CONTEXT_LENGTH = 16384
+MAX_RUNNING_REQUESTS = 8
+CHUNKED_PREFILL_SIZE = 8192  # SGLang's own default on an H200; fixed here so the graph buckets end on it
 
 # SGLang flags every DFlash system shares; they match the stock runs of the benchmark protocol.
 # fa3 is not in the GPU machine's offline bundle, so attention is triton; sampling stays in torch.
@@ -133,7 +137,7 @@ DFLASH_FLAGS = [
     "--attention-backend", "triton",
     "--sampling-backend", "pytorch",
     "--disable-radix-cache",
-    "--max-running-requests", "8",
+    "--max-running-requests", str(MAX_RUNNING_REQUESTS),
     "--mem-fraction-static", "0.6",
     "--context-length", str(CONTEXT_LENGTH),
 ]
@@ -141,6 +145,10 @@ DFLASH_FLAGS = [
 # How a qflash W8A8 checkpoint is served: the body and int8 lm_head by qflash's method (quant/method.py),
 # the bf16 DFlash drafter quantized at load by the same method.
 QFLASH_W8A8_FLAGS = ["--quantization", "qflash_w8a8", "--speculative-draft-model-quantization", "qflash_w8a8"]
+
+# What qflash adds to SGLang's serving beyond the quantization method: CUDA graphs for every batch size
+# the server admits and piecewise prefill graphs on block multiples (graphs/policy.py).
+QFLASH_SERVING_FLAGS = graph_flags(BLOCK_SIZE, MAX_RUNNING_REQUESTS, CHUNKED_PREFILL_SIZE)
 
 HOST = "127.0.0.1"
 PORT = 30000

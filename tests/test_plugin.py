@@ -10,6 +10,7 @@ from importlib.metadata import entry_points
 import pytest
 
 from conftest import run_python
+from qflash.graphs.policy import prefill_token_buckets
 from qflash.server import patches
 from qflash.server.launcher import sglang_argv
 from qflash.server.models.qwen3_5_text import text_only_weights
@@ -96,11 +97,14 @@ def test_preset_server_arguments_pass_sglang_validation(dummy_dirs):
     code = ("import json, sys\nfrom sglang.srt.plugins import load_plugins\nload_plugins()\n"
             "from sglang.srt.server_args import prepare_server_args\n"
             "a = prepare_server_args(sys.argv[1:])\n"
+            "g = a.cuda_graph_config\n"
             "print(json.dumps([a.speculative_algorithm, a.speculative_num_draft_tokens, a.enable_multimodal,"
-            " a.served_model_name, a.load_format, a.context_length]))")
+            " a.served_model_name, a.load_format, a.context_length, a.chunked_prefill_size, g.decode.bs, g.prefill.bs]))")
     result = run_python(code, *argv, env={"SGLANG_PLUGINS": "qflash"})
     assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == ["DFLASH", 16, None, "Qwen3.5-4B", "dummy", 16384]
+    got = json.loads(result.stdout.strip().splitlines()[-1])
+    assert got[:7] == ["DFLASH", 16, None, "Qwen3.5-4B", "dummy", 16384, 8192]
+    assert got[7:] == [list(range(1, 9)), prefill_token_buckets(16, 8192)]  # graphs/policy.py's shapes reach SGLang
 
 
 def test_w8a8_server_arguments_pass_sglang_validation(dummy_dirs):
