@@ -225,17 +225,24 @@ def system_server(system: str, log: Path, port: int, acc_len: float, env: dict |
         server.stop()
 
 
-def _run_sglang(system: str, plan: list[dict], out: Path, port: int, acc_len: float, progress, flags: list[str]) -> list[dict]:
+def _run_sglang(system: str, plan: list[dict], out: Path, port: int, acc_len: float, progress, flags: list[str],
+                profile_steps: int = 0) -> list[dict]:
+    """Time the plan on one server of `system`; then, with `profile_steps`, profile that many cycles per
+    bucket on the same server (`qflash profile`'s tables, written to out/profiles)."""
     with system_server(system, out / "logs" / f"{system}.log", port, acc_len, flags=flags) as server:
         samples = []
         for req in plan:
             samples.append({"bucket": req["bucket"], "warmup": req["warmup"], **time_request(server.base_url, req["input_ids"])})
             progress.update(1)
+        if profile_steps:
+            from qflash.server.profile import profile_buckets
+
+            profile_buckets(server, system, out / "profiles", sorted({r["bucket"] for r in plan}), profile_steps, flags)
         return samples
 
 
 def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc_len: float,
-              flags: list[str] = (), port: int = 30010) -> int:
+              flags: list[str] = (), port: int = 30010, profile_steps: int = 0) -> int:
     """Every system in turn on the same requests; extra SGLang `flags` go to every SGLang system (for trials)."""
     out = Path(out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -254,7 +261,7 @@ def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc
                 if system == "baseline":
                     got = _run_baseline(plan, out, progress)
                 else:
-                    got = _run_sglang(system, plan, out, port, acc_len, progress, list(flags))
+                    got = _run_sglang(system, plan, out, port, acc_len, progress, list(flags), profile_steps)
                 samples += [{"system": system, **s} for s in got]
             except (ServerDied, TimeoutError, RuntimeError, requests.RequestException) as exc:
                 errors[system] = str(exc)
@@ -307,3 +314,5 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buckets", type=positive_csv, default=list(BUCKETS), help="prompt lengths (default 64,2048,8192)")
     p.add_argument("--timed", type=_positive_int, default=3, help="timed requests per bucket after 1 warm-up")
     p.add_argument("--acc-len", type=float, default=ACCEPT_LEN, help="SGLANG_SIMULATE_ACC_LEN for speculative systems")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after timing, profile this many cycles per bucket on each SGLang server (qflash profile)")

@@ -51,7 +51,7 @@ def _quality(args: argparse.Namespace, extra: list[str]) -> int:
 def _bench(args: argparse.Namespace, extra: list[str]) -> int:
     from qflash.server.bench import run_bench
 
-    return run_bench(args.systems, args.out, args.buckets, args.timed, args.acc_len, extra)
+    return run_bench(args.systems, args.out, args.buckets, args.timed, args.acc_len, extra, profile_steps=args.profile_steps)
 
 
 def _profile(args: argparse.Namespace, extra: list[str]) -> int:

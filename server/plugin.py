@@ -24,6 +24,7 @@ def register() -> None:
     patches.apply_openai_model_check()
     patches.apply_int8_lm_head_draft_pick()
     patches.apply_graph_monitor()
+    patches.apply_block_attention()
     ModelRegistry.register(MODEL_PACKAGE, overwrite=True, strict=True)
     QUANTIZATION_METHODS[NAME] = QflashW8A8Config
     if NAME not in QUANTIZATION_CHOICES:

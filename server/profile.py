@@ -136,12 +136,10 @@ def _profile_one(server, system: str, traces: Path, prompt_len: int, steps: int)
     return _wait_for_trace(traces)
 
 
-def run_profile(system: str, out: Path, prompt_lens: list[int], steps: int, acc_len: float,
-                flags: list[str] = (), port: int = 30030) -> int:
-    """Profile one server of `system` (plus extra SGLang `flags`) at each prompt length; one table per length."""
+def profile_buckets(server, system: str, out: Path, prompt_lens: list[int], steps: int, flags: list[str] = ()) -> dict:
+    """Profile `steps` cycles at each prompt length on a running server; one table per length in `out`."""
     out = Path(out).resolve()
-    with system_server(system, out / f"{system}.log", port, acc_len, flags=list(flags)) as server:
-        found = [(n, _profile_one(server, system, out / "traces" / f"{system}-{n}", n, steps)) for n in prompt_lens]
+    found = [(n, _profile_one(server, system, out / "traces" / f"{system}-{n}", n, steps)) for n in prompt_lens]
     report = {}
     for prompt_len, trace_path in found:
         summary = summarize(json.loads(gzip.open(trace_path).read()), steps)
@@ -151,4 +149,13 @@ def run_profile(system: str, out: Path, prompt_lens: list[int], steps: int, acc_
         report[prompt_len] = summary
         print(table)
     (out / f"{system}-profile.json").write_text(json.dumps({"flags": list(flags), "by_prompt_len": report}, indent=2))
+    return report
+
+
+def run_profile(system: str, out: Path, prompt_lens: list[int], steps: int, acc_len: float,
+                flags: list[str] = (), port: int = 30030) -> int:
+    """Profile one server of `system` (plus extra SGLang `flags`) at each prompt length; one table per length."""
+    out = Path(out).resolve()
+    with system_server(system, out / f"{system}.log", port, acc_len, flags=list(flags)) as server:
+        profile_buckets(server, system, out, prompt_lens, steps, flags)
     return 0

@@ -3,12 +3,15 @@
 #   TUNE=1                 python -m qflash.kernels.tune (rewrites the kernel tables; copies them to $OUT)
 #   TESTS="pytest args"    default "-m gpu tests" (all GPU tests); TESTS=0 skips
 #   BENCH_KERNELS=1        qflash bench-kernels
-#   BENCH=sys1,sys2,...    qflash bench --systems ...
+#   BENCH=sys1,sys2,...    qflash bench --systems ... $BENCH_ARGS (e.g. BENCH_ARGS="--profile-steps 8")
 # Device tool: carry [".gpu"] (a copy of ../shared/device, the offline SGLang bundle); bash tests/run_gpu.sh
 set -uo pipefail
-OUT=${OUT:-/tmp/qflash-out}
+# The device tool brings back at most 8 files: everything is staged, then packed into $OUT/run.tgz, with the
+# benchmark table beside it.
+FINAL=${OUT:-/tmp/qflash-out}
+OUT=/tmp/qflash-stage
 status=0  # non-zero at the end if the tests or a benchmark failed
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$FINAL"
 bash .gpu/install.sh /tmp/site >/dev/null && export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 export QFLASH_CACHE=/tmp/qflash-cache PYTHONUNBUFFERED=1
@@ -35,10 +38,16 @@ if [ "${BENCH_KERNELS:-0}" = 1 ]; then
 fi
 
 if [ -n "${BENCH:-}" ]; then
-  timeout "${BENCH_TIMEOUT:-480}" python3 -m qflash.server.cli bench --systems "$BENCH" --out /tmp/bench > /tmp/bench.log 2>&1 || status=1
+  # shellcheck disable=SC2086
+  timeout "${BENCH_TIMEOUT:-480}" python3 -m qflash.server.cli bench --systems "$BENCH" --out /tmp/bench ${BENCH_ARGS:-} > /tmp/bench.log 2>&1 || status=1
   tail -n 40 /tmp/bench.log
   pkill -f sglang.launch_server
   cp /tmp/bench/results.json /tmp/bench/results.md /tmp/bench/run.json /tmp/bench/latency.png "$OUT/" 2>/dev/null
+  cp /tmp/bench/profiles/*.md /tmp/bench/profiles/*.json "$OUT/" 2>/dev/null
+  grep -h -A3 "^Per step" /tmp/bench/profiles/*.md 2>/dev/null | head -40
+  grep -h "qflash graphs\|qflash:" /tmp/bench/logs/*.log 2>/dev/null | sort | uniq -c | head -30
   tar czf "$OUT/bench-logs.tgz" -C /tmp/bench logs 2>/dev/null
 fi
+tar czf "$FINAL/run.tgz" -C "$OUT" .
+cp "$OUT/results.md" "$FINAL/" 2>/dev/null
 exit $status

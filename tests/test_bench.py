@@ -114,7 +114,8 @@ def test_flags_bench_does_not_know_go_to_the_sglang_servers():
     from qflash.server.cli import parser
 
     args, extra = parser().parse_known_args(["bench", "--out", "x", "--systems", "qflash", "--speculative-attention-mode", "decode"])
-    assert args.passthrough and extra == ["--speculative-attention-mode", "decode"]
+    assert args.passthrough and extra == ["--speculative-attention-mode", "decode"] and args.profile_steps == 0
+    assert parser().parse_args(["bench", "--out", "x", "--profile-steps", "8"]).profile_steps == 8
 
 
 def test_committed_h200_run_re_renders_from_its_samples():

@@ -75,11 +75,12 @@ def test_eager_step_hook_counts_only_steps_without_a_graph(monkeypatch, caplog):
     assert "target EXTEND step ran eagerly (batch 1, 9000 tokens)" in caplog.text
 
 
-def test_graph_hooks_wrap_sglang_runners_in_qflash_servers_only():
+def test_graph_and_attention_hooks_wrap_sglang_in_qflash_servers_only():
     code = ("from sglang.srt.plugins import load_plugins\nload_plugins()\n"
             "from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner as D\n"
             "from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner as P\n"
             "from sglang.srt.model_executor.model_runner import ModelRunner as M\n"
-            "print(*(hasattr(f, '__wrapped__') for f in (D.capture, P.capture, M._forward_raw)))")
-    assert run_python(code, env={"SGLANG_PLUGINS": "qflash"}).stdout.split() == ["True"] * 3
-    assert run_python(code, env={"SGLANG_PLUGINS": "qflash_text_only"}).stdout.split() == ["False"] * 3
+            "from sglang.srt.layers.attention.triton_backend import TritonAttnBackend as T\n"
+            "print(*(hasattr(f, '__wrapped__') for f in (D.capture, P.capture, M._forward_raw, T.__init__)))")
+    assert run_python(code, env={"SGLANG_PLUGINS": "qflash"}).stdout.split() == ["True"] * 4
+    assert run_python(code, env={"SGLANG_PLUGINS": "qflash_text_only"}).stdout.split() == ["False"] * 4

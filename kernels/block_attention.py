@@ -1,0 +1,161 @@
+"""Attention of a speculative block (K queries per request) over its request's KV cache, split along the cache.
+
+Verify and draft forwards attend K = 16 new tokens to the whole context. SGLang's Triton extend kernel
+walks the cached prefix serially with one program per (request, head): 16 programs for the target at
+batch 1, so an 8,192-token context takes ~0.8 ms per layer. Here the prefix is split across NSPLIT
+programs per (request, head), flash-decoding style; a second kernel merges the splits' partial softmax
+sums and adds the block's own keys (causal for the target, bidirectional for the DFlash drafter), with the
+same sliding-window rule as SGLang's kernel. Its signature is that of SGLang's `verify_splitkv_fwd` (the
+Triton backend's verify hook): it returns False, doing nothing, for a case it does not serve.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+DOT_DTYPE = tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
+NEG = -1.0e30  # "no key seen yet": finite, so exp(NEG - NEG) = 1 and empty splits add nothing
+
+
+@triton.jit
+def _prefix_split_kernel(q_ptr, kbuf_ptr, vbuf_ptr, kv_indptr, kv_indices, acc_ptr, ml_ptr, sm_scale,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                         GROUP: tl.constexpr, L: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                         NSPLIT: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    kvh = h // GROUP
+    start = tl.load(kv_indptr + b)
+    plen = tl.load(kv_indptr + b + 1) - start
+    per = tl.cdiv(tl.cdiv(plen, NSPLIT), BLOCK_N) * BLOCK_N
+    lo = s * per
+    hi = tl.minimum(lo + per, plen)
+    offs_m = tl.arange(0, L)
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.arange(0, DV)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = tl.load(q_ptr + (b * L + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :])
+    m_i = tl.full([L], NEG, tl.float32)
+    l_i = tl.zeros([L], tl.float32)
+    acc = tl.zeros([L, DV], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + offs_n
+        mask_n = n < hi
+        loc = tl.load(kv_indices + start + n, mask=mask_n, other=0)
+        k = tl.load(kbuf_ptr + loc[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None], mask=mask_n[None, :], other=0.0)
+        qk = tl.dot(q.to(DOT_DTYPE), k.to(DOT_DTYPE)) * sm_scale
+        visible = mask_n[None, :]
+        if WINDOW > 0:  # query i sits at prefix position plen + i
+            visible = visible & ((plen + offs_m[:, None]) <= (n[None, :] + WINDOW))
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(qk - m_new[:, None])
+        v = tl.load(vbuf_ptr + loc[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :], mask=mask_n[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(DOT_DTYPE), v.to(DOT_DTYPE))
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    part = (b * tl.num_programs(1) + h) * NSPLIT + s
+    tl.store(acc_ptr + part * L * DV + offs_m[:, None] * DV + offs_dv[None, :], acc)
+    tl.store(ml_ptr + part * 2 * L + offs_m, m_i)
+    tl.store(ml_ptr + part * 2 * L + L + offs_m, l_i)
+
+
+@triton.jit
+def _merge_block_kernel(q_ptr, k_ptr, v_ptr, o_ptr, acc_ptr, ml_ptr, sm_scale,
+                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                        GROUP: tl.constexpr, L: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                        NSPLIT: tl.constexpr, WINDOW: tl.constexpr, CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    offs_m = tl.arange(0, L)
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.arange(0, DV)
+    m_i = tl.full([L], NEG, tl.float32)
+    l_i = tl.zeros([L], tl.float32)
+    acc = tl.zeros([L, DV], tl.float32)
+    for s in range(NSPLIT):
+        part = (b * tl.num_programs(1) + h) * NSPLIT + s
+        m_s = tl.load(ml_ptr + part * 2 * L + offs_m)
+        l_s = tl.load(ml_ptr + part * 2 * L + L + offs_m)
+        m_new = tl.maximum(m_i, m_s)
+        alpha = tl.exp(m_i - m_new)
+        beta = tl.exp(m_s - m_new)
+        acc = acc * alpha[:, None] + tl.load(acc_ptr + part * L * DV + offs_m[:, None] * DV + offs_dv[None, :]) * beta[:, None]
+        l_i = l_i * alpha + l_s * beta
+        m_i = m_new
+    rows = b * L + offs_m
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :])
+    k = tl.load(k_ptr + rows[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None])
+    qk = tl.dot(q.to(DOT_DTYPE), k.to(DOT_DTYPE)) * sm_scale
+    visible = offs_m[:, None] >= 0
+    if CAUSAL:
+        visible = offs_m[:, None] >= offs_m[None, :]
+    if WINDOW > 0:
+        visible = visible & (offs_m[:, None] <= offs_m[None, :] + WINDOW)
+    qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(qk - m_new[:, None])
+    v = tl.load(v_ptr + rows[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :])
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(DOT_DTYPE), v.to(DOT_DTYPE))
+    l_i = l_i * alpha + tl.sum(p, 1)
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_dv[None, :], out.to(o_ptr.dtype.element_ty))
+
+
+_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _scratch(device, rows: int, heads: int, nsplit: int, block: int, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial sums per (request, head, split), allocated once per shape for the largest batch the server
+    admits, so CUDA graphs captured at any batch size keep valid addresses."""
+    key = (str(device), heads, nsplit, block, dv)
+    if key not in _SCRATCH or _SCRATCH[key][0].shape[0] < rows:
+        _SCRATCH[key] = (torch.empty((rows, heads, nsplit, block, dv), dtype=torch.float32, device=device),
+                         torch.empty((rows, heads, nsplit, 2, block), dtype=torch.float32, device=device))
+    return _SCRATCH[key]
+
+
+def block_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
+                    custom_mask, is_causal, mask_indptr, max_len_extend, k_scale, v_scale, sm_scale=None,
+                    logit_cap=0.0, skip_prefix_custom_mask=True, sliding_window_size=-1, sinks=None,
+                    window_kv_offsets=None, xai_temperature_len=-1, max_bs=None) -> bool:
+    """Every request extends by exactly `max_len_extend` tokens (a speculative block): q/k/v_extend
+    [bs * K, heads, dim], the prefix's cache slots in kv_indices[kv_indptr[b]:kv_indptr[b + 1]]. Writes
+    o_extend and returns True; returns False for what it does not serve (custom masks, sinks, soft caps,
+    scaled KV, block sizes other than 16 or 32, head dims without a config)."""
+    block, bs = int(max_len_extend), qo_indptr.shape[0] - 1
+    heads, dim = q_extend.shape[1], q_extend.shape[2]
+    dv, kv_heads = v_extend.shape[2], k_extend.shape[1]
+    config = CONFIGS.get((dim, dv))
+    if (custom_mask is not None or sinks is not None or (logit_cap or 0) > 0 or (xai_temperature_len or 0) > 0
+            or float(k_scale) != 1.0 or float(v_scale) != 1.0 or block not in (16, 32) or config is None
+            or q_extend.shape[0] != bs * block or heads % kv_heads or k_buffer.dtype != q_extend.dtype or bs < 1):
+        return False
+    config = dict(config)
+    nsplit = config.pop("NSPLIT")
+    acc, ml = _scratch(q_extend.device, max(bs, max_bs or 0), heads, nsplit, block, dv)
+    sm_scale = sm_scale if sm_scale is not None else dim ** -0.5
+    window = sliding_window_size if sliding_window_size is not None and sliding_window_size > 0 else 0
+    common = dict(GROUP=heads // kv_heads, L=block, D=dim, DV=dv, NSPLIT=nsplit, WINDOW=window, DOT_DTYPE=DOT_DTYPE)
+    _prefix_split_kernel[(bs, heads, nsplit)](
+        q_extend, k_buffer, v_buffer, kv_indptr, kv_indices, acc, ml, sm_scale,
+        q_extend.stride(0), q_extend.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        **common, **config)
+    _merge_block_kernel[(bs, heads)](
+        q_extend, k_extend, v_extend, o_extend, acc, ml, sm_scale,
+        q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1), v_extend.stride(0), v_extend.stride(1),
+        o_extend.stride(0), o_extend.stride(1), **common, CAUSAL=bool(is_causal), num_warps=4)
+    return True
+
+
+# (head dim, value head dim) -> prefix-split launch config: Qwen3.5-4B's target (256) and DFlash drafter (128).
+CONFIGS = {
+    (256, 256): dict(NSPLIT=16, BLOCK_N=32, num_warps=4, num_stages=2),
+    (128, 128): dict(NSPLIT=16, BLOCK_N=64, num_warps=4, num_stages=2),
+}
