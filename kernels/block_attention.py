@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 DOT_DTYPE = tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
-NEG = -1.0e30  # "no key seen yet": finite, so exp(NEG - NEG) = 1 and empty splits add nothing
+NEG = tl.constexpr(-1.0e30)  # "no key seen yet": finite, so exp(NEG - NEG) = 1 and empty splits add nothing
 
 
 @triton.jit

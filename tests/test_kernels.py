@@ -15,7 +15,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from qflash.kernels import config_table, shapes, w8a16_argmax, w8a16_gemm, w8a8_gemm
+from qflash.kernels import block_attention, config_table, shapes, w8a16_argmax, w8a16_gemm, w8a8_gemm
 from qflash.kernels.per_token_quant import per_token_quant
 from qflash.server import preset
 from conftest import REPO, run_python
@@ -230,6 +230,16 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
         for config in distinct([*module.CONFIGS.values(), module.DEFAULT]):
             compiled = compile_for_sm90(kernel, pointers, {**config, "DOT_DTYPE": triton.language.bfloat16})
             done.append((module.__name__.split(".")[-1], config, "wgmma" in compiled.asm["ptx"]))
+    pointers = {"q_ptr": "*bf16", "kbuf_ptr": "*bf16", "vbuf_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
+                "o_ptr": "*bf16", "kv_indptr": "*i32", "kv_indices": "*i64", "acc_ptr": "*fp32", "ml_ptr": "*fp32",
+                "sm_scale": "fp32"}
+    for (dim, dv), config in block_attention.CONFIGS.items():
+        for window in (0, 4095):
+            common = dict(GROUP=4, L=16, D=dim, DV=dv, NSPLIT=config["NSPLIT"], WINDOW=window, DOT_DTYPE=triton.language.bfloat16)
+            compile_for_sm90(block_attention._prefix_split_kernel, pointers, {**common, **config})
+            for causal in (True, False):
+                compile_for_sm90(block_attention._merge_block_kernel, pointers, {**common, "CAUSAL": causal, "num_warps": 4})
+        done.append(("block_attention", config, None))
     return done
 
 
@@ -240,7 +250,8 @@ def test_every_table_config_compiles_for_sm90():
     result = run_python(code, env={"TRITON_INTERPRET": "0"}, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     done = json.loads(result.stdout.strip().splitlines()[-1])
-    tables = [*w8a8_gemm.CONFIGS.values(), *w8a16_gemm.CONFIGS.values(), *w8a16_argmax.CONFIGS.values()]
+    tables = [*w8a8_gemm.CONFIGS.values(), *w8a16_gemm.CONFIGS.values(), *w8a16_argmax.CONFIGS.values(),
+              *block_attention.CONFIGS.values()]
     assert all(c in [d[1] for d in done] for c in tables)
     # int8 tiles of 64+ rows use Hopper's wgmma; decode tiles of 16-32 rows use mma.sync.
     assert all(wgmma == (c["BLOCK_M"] >= 64) for kernel, c, wgmma in done if kernel == "w8a8_gemm")
