@@ -3,8 +3,8 @@
 Verify and draft forwards attend K = 16 new tokens to the whole context. SGLang's Triton extend kernel
 walks the cached prefix serially with one program per (request, head): 16 programs for the target at
 batch 1, so an 8,192-token context takes ~0.8 ms per layer. Here the prefix is split across NSPLIT
-programs per (request, head), flash-decoding style; a second kernel merges the splits' partial softmax
-sums and adds the block's own keys (causal for the target, bidirectional for the DFlash drafter), with the
+programs per (request, KV head), flash-decoding style, each reading its keys once for all the query heads
+that share them; a second kernel merges the splits' partial softmax sums and adds the block's own keys (causal for the target, bidirectional for the DFlash drafter), with the
 same sliding-window rule as SGLang's kernel. Its signature is that of SGLang's `verify_splitkv_fwd` (the
 Triton backend's verify hook): it returns False, doing nothing, for a case it does not serve.
 """
@@ -24,23 +24,28 @@ def _prefix_split_kernel(q_ptr, kbuf_ptr, vbuf_ptr, kv_indptr, kv_indices, acc_p
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                          GROUP: tl.constexpr, L: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                          NSPLIT: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    # One program per (request, KV head, split): the GROUP query heads sharing the KV head are its
+    # GROUP * L rows, so each key and value of the split is read once.
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    kvh = tl.program_id(1)
     s = tl.program_id(2)
-    kvh = h // GROUP
     start = tl.load(kv_indptr + b)
     plen = tl.load(kv_indptr + b + 1) - start
     per = tl.cdiv(tl.cdiv(plen, NSPLIT), BLOCK_N) * BLOCK_N
     lo = s * per
+    if lo >= plen:  # past the prefix: the merge reads only the splits that hold keys
+        return
     hi = tl.minimum(lo + per, plen)
-    offs_m = tl.arange(0, L)
+    rows = tl.arange(0, GROUP * L)
+    head = kvh * GROUP + rows // L
+    token = rows % L
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
     offs_n = tl.arange(0, BLOCK_N)
-    q = tl.load(q_ptr + (b * L + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :])
-    m_i = tl.full([L], NEG, tl.float32)
-    l_i = tl.zeros([L], tl.float32)
-    acc = tl.zeros([L, DV], tl.float32)
+    q = tl.load(q_ptr + (b * L + token)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :])
+    m_i = tl.full([GROUP * L], NEG, tl.float32)
+    l_i = tl.zeros([GROUP * L], tl.float32)
+    acc = tl.zeros([GROUP * L, DV], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + offs_n
         mask_n = n < hi
@@ -48,8 +53,8 @@ def _prefix_split_kernel(q_ptr, kbuf_ptr, vbuf_ptr, kv_indptr, kv_indices, acc_p
         k = tl.load(kbuf_ptr + loc[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None], mask=mask_n[None, :], other=0.0)
         qk = tl.dot(q.to(DOT_DTYPE), k.to(DOT_DTYPE)) * sm_scale
         visible = mask_n[None, :]
-        if WINDOW > 0:  # query i sits at prefix position plen + i
-            visible = visible & ((plen + offs_m[:, None]) <= (n[None, :] + WINDOW))
+        if WINDOW > 0:  # query token i sits at prefix position plen + i
+            visible = visible & ((plen + token[:, None]) <= (n[None, :] + WINDOW))
         qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp(m_i - m_new)
@@ -58,27 +63,30 @@ def _prefix_split_kernel(q_ptr, kbuf_ptr, vbuf_ptr, kv_indptr, kv_indices, acc_p
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(DOT_DTYPE), v.to(DOT_DTYPE))
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
-    part = (b * tl.num_programs(1) + h) * NSPLIT + s
-    tl.store(acc_ptr + part * L * DV + offs_m[:, None] * DV + offs_dv[None, :], acc)
-    tl.store(ml_ptr + part * 2 * L + offs_m, m_i)
-    tl.store(ml_ptr + part * 2 * L + L + offs_m, l_i)
+    part = (b * tl.num_programs(1) * GROUP + head) * NSPLIT + s  # partials per (request, query head, split)
+    tl.store(acc_ptr + (part * L + token)[:, None] * DV + offs_dv[None, :], acc)
+    tl.store(ml_ptr + part * 2 * L + token, m_i)
+    tl.store(ml_ptr + part * 2 * L + L + token, l_i)
 
 
 @triton.jit
-def _merge_block_kernel(q_ptr, k_ptr, v_ptr, o_ptr, acc_ptr, ml_ptr, sm_scale,
+def _merge_block_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kv_indptr, acc_ptr, ml_ptr, sm_scale,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                         GROUP: tl.constexpr, L: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                        NSPLIT: tl.constexpr, WINDOW: tl.constexpr, CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                        NSPLIT: tl.constexpr, WINDOW: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                        DOT_DTYPE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
+    plen = tl.load(kv_indptr + b + 1) - tl.load(kv_indptr + b)
+    per = tl.maximum(tl.cdiv(tl.cdiv(plen, NSPLIT), BLOCK_N) * BLOCK_N, 1)
     offs_m = tl.arange(0, L)
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
     m_i = tl.full([L], NEG, tl.float32)
     l_i = tl.zeros([L], tl.float32)
     acc = tl.zeros([L, DV], tl.float32)
-    for s in range(NSPLIT):
+    for s in range(0, tl.cdiv(plen, per)):  # the splits that held keys (the split kernel's rule)
         part = (b * tl.num_programs(1) + h) * NSPLIT + s
         m_s = tl.load(ml_ptr + part * 2 * L + offs_m)
         l_s = tl.load(ml_ptr + part * 2 * L + L + offs_m)
@@ -128,14 +136,16 @@ def block_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, 
     """Every request extends by exactly `max_len_extend` tokens (a speculative block): q/k/v_extend
     [bs * K, heads, dim], the prefix's cache slots in kv_indices[kv_indptr[b]:kv_indptr[b + 1]]. Writes
     o_extend and returns True; returns False for what it does not serve (custom masks, sinks, soft caps,
-    scaled KV, block sizes other than 16 or 32, head dims without a config)."""
+    scaled KV, block sizes other than 16 or 32, head dims without a config, GQA groups that are not powers
+    of two)."""
     block, bs = int(max_len_extend), qo_indptr.shape[0] - 1
     heads, dim = q_extend.shape[1], q_extend.shape[2]
     dv, kv_heads = v_extend.shape[2], k_extend.shape[1]
     config = CONFIGS.get((dim, dv))
     if (custom_mask is not None or sinks is not None or (logit_cap or 0) > 0 or (xai_temperature_len or 0) > 0
             or float(k_scale) != 1.0 or float(v_scale) != 1.0 or block not in (16, 32) or config is None
-            or q_extend.shape[0] != bs * block or heads % kv_heads or k_buffer.dtype != q_extend.dtype or bs < 1):
+            or q_extend.shape[0] != bs * block or heads % kv_heads or k_buffer.dtype != q_extend.dtype or bs < 1
+            or (heads // kv_heads * block) & (heads // kv_heads * block - 1)):  # a program's rows: a power of two
         return False
     config = dict(config)
     nsplit = config.pop("NSPLIT")
@@ -143,19 +153,20 @@ def block_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, 
     sm_scale = sm_scale if sm_scale is not None else dim ** -0.5
     window = sliding_window_size if sliding_window_size is not None and sliding_window_size > 0 else 0
     common = dict(GROUP=heads // kv_heads, L=block, D=dim, DV=dv, NSPLIT=nsplit, WINDOW=window, DOT_DTYPE=DOT_DTYPE)
-    _prefix_split_kernel[(bs, heads, nsplit)](
+    _prefix_split_kernel[(bs, kv_heads, nsplit)](
         q_extend, k_buffer, v_buffer, kv_indptr, kv_indices, acc, ml, sm_scale,
         q_extend.stride(0), q_extend.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         **common, **config)
     _merge_block_kernel[(bs, heads)](
-        q_extend, k_extend, v_extend, o_extend, acc, ml, sm_scale,
+        q_extend, k_extend, v_extend, o_extend, kv_indptr, acc, ml, sm_scale,
         q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1), v_extend.stride(0), v_extend.stride(1),
-        o_extend.stride(0), o_extend.stride(1), **common, CAUSAL=bool(is_causal), num_warps=4)
+        o_extend.stride(0), o_extend.stride(1), **common, CAUSAL=bool(is_causal), BLOCK_N=config["BLOCK_N"], num_warps=4)
     return True
 
 
-# (head dim, value head dim) -> prefix-split launch config: Qwen3.5-4B's target (256) and DFlash drafter (128).
+# (head dim, value head dim) -> prefix-split launch config: Qwen3.5-4B's target (256, 4 KV heads) and the
+# DFlash drafter (128, 8 KV heads); about 128 programs per request.
 CONFIGS = {
-    (256, 256): dict(NSPLIT=16, BLOCK_N=32, num_warps=4, num_stages=2),
+    (256, 256): dict(NSPLIT=32, BLOCK_N=32, num_warps=8, num_stages=2),
     (128, 128): dict(NSPLIT=16, BLOCK_N=64, num_warps=4, num_stages=2),
 }

@@ -73,6 +73,7 @@ def test_cases_it_does_not_serve_are_left_to_sglang():
     assert not ba.block_attention(**dict(p, max_len_extend=8), is_causal=True)
     assert not ba.block_attention(**dict(p, k_scale=0.5), is_causal=True)
     assert not ba.block_attention(**p, is_causal=True, logit_cap=30.0)
+    assert not ba.block_attention(**problem([10], heads=6, kv_heads=2, dim=128), is_causal=True)  # 3 heads per KV head
     assert p["o_extend"].abs().max() == 0  # nothing was written
 
 

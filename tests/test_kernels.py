@@ -238,7 +238,8 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
             common = dict(GROUP=4, L=16, D=dim, DV=dv, NSPLIT=config["NSPLIT"], WINDOW=window, DOT_DTYPE=triton.language.bfloat16)
             compile_for_sm90(block_attention._prefix_split_kernel, pointers, {**common, **config})
             for causal in (True, False):
-                compile_for_sm90(block_attention._merge_block_kernel, pointers, {**common, "CAUSAL": causal, "num_warps": 4})
+                compile_for_sm90(block_attention._merge_block_kernel, pointers,
+                                 {**common, "CAUSAL": causal, "BLOCK_N": config["BLOCK_N"], "num_warps": 4})
         done.append(("block_attention", config, None))
     return done
 
