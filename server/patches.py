@@ -6,6 +6,7 @@ symbol can change meaning between releases without notice.
 
 import logging
 from importlib.metadata import version
+from types import SimpleNamespace
 
 import torch
 
@@ -108,3 +109,44 @@ def apply_int8_lm_head_draft_pick() -> None:
     worker = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2."
     HookRegistry.register(worker + "_maybe_build_draft_sampler", _draft_sampler, HookType.AROUND)
     HookRegistry.register(worker + "_greedy_sample_from_vocab_parallel_head", _eager_draft_pick, HookType.AROUND)
+
+
+def _commit_mamba_state_at_post_verify_lens(original, self, *, batch, seq_lens_pre_verify, commit_lens):
+    # sglang#37817, fixed upstream by sglang#37818 (after 0.5.17): with the radix cache's extra_buffer
+    # strategy the GDN state is checkpointed every 256 tokens, and a verify step whose accepted tokens
+    # cross that boundary must copy the state at the boundary into the tracking slot. 0.5.17 detects the
+    # crossing by comparing the pre-verify lengths with `batch.seq_lens`, which the scheduler has not
+    # advanced yet, so it never tracks; the scheduler still records the boundary, and the radix cache
+    # then pairs that prefix's attention KV with a stale GDN state. #37818 compares with the committed
+    # post-verify lengths (pre-verify + commit_lens); handing 0.5.17's code a view of the batch whose
+    # seq_lens are those lengths makes it compute exactly that (it reads only these three fields).
+    post_verify = SimpleNamespace(
+        seq_lens=seq_lens_pre_verify + commit_lens.to(seq_lens_pre_verify.dtype),
+        mamba_track_indices=batch.mamba_track_indices, req_pool_indices=batch.req_pool_indices,
+    )
+    return original(self, batch=post_verify, seq_lens_pre_verify=seq_lens_pre_verify, commit_lens=commit_lens)
+
+
+def _refresh_mamba_track_before_verify(self, batch, target_worker):
+    # sglang#31850 / #32052 (open upstream): EAGLE and NGRAM rebuild the batch's GDN tracking slots from
+    # its requests right before every verify (spec_utils.prepare_mamba_track_for_verify); 0.5.17's DFLASH
+    # verify does not, so the slots are None after any batch merge or filter, or the prefill's stale
+    # ones, and the boundary state above would be written nowhere or into the wrong ping-pong slot.
+    # This is the same call at the same point (before the verify ForwardBatch is built), as #32052 adds.
+    from sglang.srt.speculative.spec_utils import prepare_mamba_track_for_verify
+
+    if not batch.forward_mode.is_idle():
+        prepare_mamba_track_for_verify(batch)
+
+
+def apply_dflash_radix_cache_fixes() -> None:
+    """The two DFLASH + hybrid-model radix-cache fixes that make prefix caching safe on Qwen3.5."""
+    check_version()
+    HookRegistry.register(
+        "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2._update_target_mamba_state_after_verify",
+        _commit_mamba_state_at_post_verify_lens, HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.speculative.dflash_info.DFlashVerifyInput.prepare_for_verify",
+        _refresh_mamba_track_before_verify, HookType.BEFORE,
+    )
