@@ -125,14 +125,18 @@ DRAFTER_CONFIG = {
 # Context length served by default: the benchmark's longest prompt plus room for answers.
 CONTEXT_LENGTH = 16384
 
-# SGLang flags every DFlash system shares; they match the stock runs of the benchmark protocol.
-# fa3 is not in the GPU machine's offline bundle, so attention is triton; sampling stays in torch.
+# SGLang flags every DFlash system shares; the benchmark's stock rows add `--disable-radix-cache`
+# (server/bench.py), as the protocol runs them. fa3 is not in the GPU machine's offline bundle, so
+# attention is triton; sampling stays in torch. Prefix caching is on: on the hybrid GDN model the
+# radix cache also checkpoints the GDN state every 256 tokens (`extra_buffer`: keeps overlap
+# scheduling on, which `no_buffer` would turn off; it needs the triton linear-attention backend, the
+# default), made correct under DFLASH by patches.apply_dflash_radix_cache_fixes.
 DFLASH_FLAGS = [
     "--speculative-algorithm", "DFLASH",
     "--speculative-dflash-block-size", str(BLOCK_SIZE),
     "--attention-backend", "triton",
     "--sampling-backend", "pytorch",
-    "--disable-radix-cache",
+    "--mamba-radix-cache-strategy", "extra_buffer",
     "--max-running-requests", "8",
     "--mem-fraction-static", "0.6",
     "--context-length", str(CONTEXT_LENGTH),

@@ -59,3 +59,9 @@ def test_serving_flags_use_dflash_block_16():
     flags = preset.DFLASH_FLAGS
     assert flags[flags.index("--speculative-algorithm") + 1] == "DFLASH"
     assert flags[flags.index("--speculative-dflash-block-size") + 1] == "16"
+
+
+def test_prefix_caching_is_on_with_gdn_state_checkpoints():
+    flags = preset.DFLASH_FLAGS
+    assert "--disable-radix-cache" not in flags
+    assert flags[flags.index("--mamba-radix-cache-strategy") + 1] == "extra_buffer"
