@@ -22,6 +22,7 @@ def register() -> None:
 
     register_text_only()
     patches.apply_openai_model_check()
+    patches.apply_request_checks()
     patches.apply_int8_lm_head_draft_pick()
     patches.apply_dflash_radix_cache_fixes()
     ModelRegistry.register(MODEL_PACKAGE, overwrite=True, strict=True)
