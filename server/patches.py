@@ -59,7 +59,7 @@ async def _check_openai_request(original, self, request, raw_request):
     return await original(self, request, raw_request)
 
 
-def apply_openai_model_check() -> None:
+def apply_openai_checks() -> None:
     check_version()
     HookRegistry.register(
         "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request",
