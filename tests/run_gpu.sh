@@ -3,7 +3,7 @@
 #   TUNE=1                 python -m qflash.kernels.tune (rewrites the kernel tables; copies them to $OUT)
 #   TESTS="pytest args"    default "-m gpu tests" (all GPU tests); TESTS=0 skips
 #   EVAL_DEPS=1            install lm-eval offline for tests/test_eval_gpu.py (carry .gpu-eval too:
-#                          tests/fetch_eval_deps.sh makes it here, 14.2 MiB)
+#                          tests/fetch_eval_deps.sh makes it here, 15.3 MiB)
 #   BENCH_KERNELS=1        qflash bench-kernels
 #   BENCH=sys1,sys2,...    qflash bench --systems ...
 # Device tool: carry [".gpu"] (a copy of ../shared/device, the offline SGLang bundle); bash tests/run_gpu.sh
