@@ -30,6 +30,8 @@ VALID_ACCEPT = (6.2, 6.8)
 REFERENCE = "sglang-bf16"
 
 # system -> (SGLang flags beyond the shared DFlash preset, qflash plugins it loads); baseline is HF.
+# Stock rows run as the protocol measured them, without prefix caching (launcher.sglang_argv's `stock`);
+# qflash runs as `./launch.sh` serves by default. The bench's prompts never share a prefix anyway.
 SGLANG_SYSTEMS = {
     "sglang-bf16": ([], "qflash_text_only"),
     "sglang-w8a8": (["--quantization", "w8a8_int8", "--speculative-draft-model-quantization", "unquant"],

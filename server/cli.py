@@ -1,17 +1,17 @@
-"""The `qflash` command: serve, make-dummy, quantize, quality, bench, profile, bench-kernels."""
+"""The `qflash` command: serve, make-dummy, quantize, quality, bench, profile, bench-kernels, eval."""
 
 import argparse
 import sys
 from pathlib import Path
 
-from qflash.server.preset import HOST, PORT
+from qflash.server.preset import HOST, PORT, PREFIX_CACHE
 
 
 def _serve(args: argparse.Namespace, extra: list[str]) -> int:
     from qflash.server.launcher import DEFAULT_CACHE, serve
 
     log = args.log or DEFAULT_CACHE / "logs" / f"server-{args.port}.log"
-    return serve(args.model_path, args.draft_model_path, extra, args.host, args.port, log, args.dry_run)
+    return serve(args.model_path, args.draft_model_path, extra, args.host, args.port, log, args.dry_run, args.prefix_cache)
 
 
 def _make_dummy(args: argparse.Namespace, extra: list[str]) -> int:
@@ -66,6 +66,13 @@ def _bench_kernels(args: argparse.Namespace, extra: list[str]) -> int:
     return run_bench_kernels(args.out)
 
 
+def _eval(args: argparse.Namespace, extra: list[str]) -> int:
+    from qflash.server.eval import run_eval
+
+    return run_eval(args.base_url, args.tasks, args.limit, args.output, args.include_path, args.threshold,
+                    args.num_concurrent, args.gen_kwargs)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qflash", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -77,6 +84,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=PORT)
     s.add_argument("--log", type=Path, help="server log file")
     s.add_argument("--dry-run", action="store_true", help="print the SGLang command and exit")
+    s.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=PREFIX_CACHE,
+                   help="SGLang's radix cache with qflash's DFLASH fixes (default: off until GPU-tested)")
     s.set_defaults(func=_serve, passthrough=True)
 
     d = sub.add_parser("make-dummy", help="write an offline Qwen3.5-4B + DFlash model (config + tokenizer)")
@@ -124,6 +133,22 @@ def parser() -> argparse.ArgumentParser:
     k = sub.add_parser("bench-kernels", help="qflash GEMMs vs cuBLAS bf16, torch._int_mm and SGLang int8 (GPU)")
     k.add_argument("--out", type=Path, required=True, help="folder for kernels.md and kernels.json")
     k.set_defaults(func=_bench_kernels, passthrough=False)
+
+    from qflash.server.eval import GATES, parse_gate
+
+    e = sub.add_parser("eval", help="quality gates: lm-evaluation-harness against a server's OpenAI API, "
+                       "pass/fail per task (exit 1 on a fail, 2 if datasets or server cannot be reached)")
+    e.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:30000")
+    e.add_argument("--tasks", type=lambda s: s.split(","), default=list(GATES),
+                   help=f"comma list: gated tasks ({','.join(GATES)}, the default) or lm-eval task names")
+    e.add_argument("--limit", type=float, help="examples per task (lm-eval's --limit; a fraction if < 1)")
+    e.add_argument("--output", type=Path, help="write the scores and gates here as JSON")
+    e.add_argument("--include-path", type=Path, help="a folder of extra lm-eval task YAMLs")
+    e.add_argument("--threshold", type=parse_gate, action="append", default=[], metavar="TASK:METRIC=VALUE",
+                   help="the gate of a task not in the default set (repeatable)")
+    e.add_argument("--num-concurrent", type=int, default=16, help="requests in flight (default 16)")
+    e.add_argument("--gen-kwargs", help="lm-eval generation overrides for every task, e.g. max_gen_toks=4096")
+    e.set_defaults(func=_eval, passthrough=False)
     return p
 
 

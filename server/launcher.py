@@ -16,7 +16,8 @@ from pathlib import Path
 
 from qflash.quant.quantize import LM_HEAD_KEY
 from qflash.server.dummy import DRAFTER_DIR, TARGET_DIR, W8A8_DIR, is_dummy_dir, make_dummy
-from qflash.server.preset import DFLASH_FLAGS, HOST, PORT, QFLASH_SERVING_FLAGS, QFLASH_W8A8_FLAGS
+from qflash.server.preset import (DFLASH_FLAGS, HOST, PORT, PREFIX_CACHE, PREFIX_CACHE_FLAGS, QFLASH_SERVING_FLAGS,
+                                  QFLASH_W8A8_FLAGS)
 
 DEFAULT_CACHE = Path(os.environ.get("QFLASH_CACHE", "~/.cache/qflash")).expanduser()
 
@@ -41,10 +42,11 @@ def is_qflash_checkpoint(target: Path) -> bool:
 
 
 def sglang_argv(target: Path, drafter: Path, extra: list[str], host: str = HOST, port: int = PORT,
-                stock: bool = False) -> list[str]:
+                stock: bool = False, prefix_cache: bool = PREFIX_CACHE) -> list[str]:
     """The `sglang.launch_server` command for a target + DFlash drafter, served under the target folder's
     name (e.g. `Qwen3.5-4B`); a qflash W8A8 target is served by qflash's quantization method, the drafter
-    quantized the same way; qflash's serving flags unless `stock`; `extra` flags come last and win."""
+    quantized the same way; qflash's serving flags and optional prefix caching unless `stock`; `extra`
+    flags come last and win."""
     load = ["--load-format", "dummy"] if is_dummy_dir(target) else []
     quant = QFLASH_W8A8_FLAGS if is_qflash_checkpoint(target) else []
     draft_load = ["--speculative-draft-load-format", "dummy" if is_dummy_dir(drafter) else "auto"]
@@ -52,7 +54,8 @@ def sglang_argv(target: Path, drafter: Path, extra: list[str], host: str = HOST,
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", str(target), "--served-model-name", Path(target).name,
         "--speculative-draft-model-path", str(drafter),
-        *load, *draft_load, *quant, *DFLASH_FLAGS, *([] if stock else QFLASH_SERVING_FLAGS),
+        *load, *draft_load, *quant, *DFLASH_FLAGS, *PREFIX_CACHE_FLAGS[prefix_cache and not stock],
+        *([] if stock else QFLASH_SERVING_FLAGS),
         "--host", host, "--port", str(port),
         *extra,
     ]
@@ -115,14 +118,14 @@ def cuda_available() -> bool:
 
 
 def serve(model_path: Path | None, draft_model_path: Path | None, extra: list[str], host: str, port: int,
-          log_path: Path, dry_run: bool = False) -> int:
+          log_path: Path, dry_run: bool = False, prefix_cache: bool = PREFIX_CACHE) -> int:
     """Start the qflash server and block until it exits; return its exit code."""
     if (model_path is None) != (draft_model_path is None):
         print("qflash: give both --model-path and --draft-model-path, or neither (the dummy model)", file=sys.stderr)
         return 2
     if model_path is None:
         model_path, draft_model_path = dummy_model_dirs()
-    argv = sglang_argv(model_path, draft_model_path, extra, host, port)
+    argv = sglang_argv(model_path, draft_model_path, extra, host, port, prefix_cache=prefix_cache)
     if dry_run:
         print(" ".join(argv))
         return 0

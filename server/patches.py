@@ -4,8 +4,11 @@ They are written for SGLang 0.5.17 exactly and refuse to apply to any other vers
 symbol can change meaning between releases without notice.
 """
 
+import functools
 import logging
+import typing
 from importlib.metadata import version
+from types import SimpleNamespace
 
 import torch
 
@@ -37,9 +40,11 @@ def apply_text_only() -> None:
     )
 
 
-async def _reject_unknown_model(original, self, request, raw_request):
+async def _check_openai_request(original, self, request, raw_request):
     # SGLang 0.5.17 answers an OpenAI request whatever model it names. An OpenAI server answers 404 for
     # a model it does not serve, so a client with a wrong model name hears so instead of getting ours.
+    # It also serves a chat request with `max_tokens: 0` (an empty answer, 200); OpenAI rejects it, as
+    # SGLang's own /v1/completions does.
     from sglang.srt.entrypoints.openai.protocol import DEFAULT_MODEL_NAME
 
     model = getattr(request, "model", None)
@@ -49,14 +54,96 @@ async def _reject_unknown_model(original, self, request, raw_request):
             f"The model '{model}' does not exist; this server serves '{served}'",
             err_type="NotFoundError", status_code=404,
         )
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = getattr(request, field, None)
+        if value is not None and value < 1:
+            return self.create_error_response(f"{field} must be at least 1, got {value}")
     return await original(self, request, raw_request)
 
 
-def apply_openai_model_check() -> None:
+def apply_openai_checks() -> None:
     check_version()
     HookRegistry.register(
         "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request",
-        _reject_unknown_model, HookType.AROUND,
+        _check_openai_request, HookType.AROUND,
+    )
+
+
+REQUEST_PATHS = ("/generate", "/v1/chat/completions", "/v1/completions")
+
+
+async def _check_json_body(original, self):
+    # SGLang 0.5.17's chat request model reads the body with `.get` in its "before" validators, so a body
+    # that is not a JSON object (an array, a string, null), or a `response_format` that is not one, ends
+    # in an AttributeError and a 500. Those are a client's wrong types: a 400, as for every other field.
+    from fastapi import HTTPException
+
+    body = await original(self)
+    if self.url.path in REQUEST_PATHS:
+        if not isinstance(body, dict):
+            raise HTTPException(400, f"The request body must be a JSON object, got {type(body).__name__}")
+        if body.get("response_format") and not isinstance(body["response_format"], dict):
+            raise HTTPException(400, "response_format must be an object, e.g. {\"type\": \"json_object\"}")
+    return body
+
+
+@functools.cache
+def _sampling_param_types() -> dict:
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    return typing.get_type_hints(SamplingParams)
+
+
+def check_sampling_params(obj) -> None:
+    """Raise ValueError (SGLang answers 400) for sampling parameters SGLang 0.5.17 would fail on later.
+
+    It builds `SamplingParams(**params)` without checking types, so an unknown name, a string
+    temperature or a float `n` ends in a TypeError deep in the request path and a 500; and it takes any
+    `n` below 1 as 1 (on /v1/chat/completions n = 0 then fails after generating). Each value is checked
+    against SamplingParams' own type annotation, as msgspec (SGLang's struct library) converts it;
+    None is SGLang's "default" for every field."""
+    import msgspec
+
+    types = _sampling_param_types()
+    params = obj.sampling_params
+    for p in params if isinstance(params, list) else [params or {}]:
+        for name, value in p.items():
+            if name not in types:
+                raise ValueError(f"Unknown sampling parameter '{name}'")
+            if value is not None:
+                try:
+                    msgspec.convert(value, types[name])
+                except msgspec.ValidationError as exc:
+                    raise ValueError(f"Sampling parameter '{name}': {exc}, got {value!r}") from None
+        if p.get("n") is not None and p["n"] < 1:
+            raise ValueError(f"n must be at least 1, got {p['n']}")
+
+
+def check_input_ids(self, obj, input_ids) -> None:
+    """Raise ValueError (400) for a prompt SGLang 0.5.17 would pass to the model: an empty one (it has no
+    token to predict from) or token ids outside the vocabulary (an out-of-range embedding lookup, which
+    on a GPU is a device-side assert that takes the whole server down). SGLang has the vocabulary
+    check (`_validate_input_ids_in_vocab`) but 0.5.17 never calls it, and it misses negative ids."""
+    if input_ids is None:  # input_embeds instead of tokens
+        return
+    if not input_ids:
+        raise ValueError("The prompt is empty")
+    vocab = self.model_config.vocab_size
+    bad = [t for t in input_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"Token ids must be in [0, {vocab}); got {bad[:8]}")
+
+
+def apply_request_checks() -> None:
+    check_version()
+    HookRegistry.register("sglang.srt.entrypoints.http_server.ORJSONRequest.json", _check_json_body, HookType.AROUND)
+    HookRegistry.register(
+        "sglang.srt.managers.io_struct.GenerateReqInput.normalize_batch_and_arguments",
+        check_sampling_params, HookType.BEFORE,
+    )
+    HookRegistry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+        check_input_ids, HookType.BEFORE,
     )
 
 
@@ -171,3 +258,44 @@ def apply_block_attention() -> None:
     check_version()
     HookRegistry.register("sglang.srt.layers.attention.triton_backend.TritonAttnBackend.__init__",
                           _split_kv_block_attention, HookType.AFTER)
+
+
+def _commit_mamba_state_at_post_verify_lens(original, self, *, batch, seq_lens_pre_verify, commit_lens):
+    # sglang#37817, fixed upstream by sglang#37818 (after 0.5.17): with the radix cache's extra_buffer
+    # strategy the GDN state is checkpointed every 256 tokens, and a verify step whose accepted tokens
+    # cross that boundary must copy the state at the boundary into the tracking slot. 0.5.17 detects the
+    # crossing by comparing the pre-verify lengths with `batch.seq_lens`, which the scheduler has not
+    # advanced yet, so it never tracks; the scheduler still records the boundary, and the radix cache
+    # then pairs that prefix's attention KV with a stale GDN state. #37818 compares with the committed
+    # post-verify lengths (pre-verify + commit_lens); handing 0.5.17's code a view of the batch whose
+    # seq_lens are those lengths makes it compute exactly that (it reads only these three fields).
+    post_verify = SimpleNamespace(
+        seq_lens=seq_lens_pre_verify + commit_lens.to(seq_lens_pre_verify.dtype),
+        mamba_track_indices=batch.mamba_track_indices, req_pool_indices=batch.req_pool_indices,
+    )
+    return original(self, batch=post_verify, seq_lens_pre_verify=seq_lens_pre_verify, commit_lens=commit_lens)
+
+
+def _refresh_mamba_track_before_verify(self, batch, target_worker):
+    # sglang#31850 / #32052 (open upstream): EAGLE and NGRAM rebuild the batch's GDN tracking slots from
+    # its requests right before every verify (spec_utils.prepare_mamba_track_for_verify); 0.5.17's DFLASH
+    # verify does not, so the slots are None after any batch merge or filter, or the prefill's stale
+    # ones, and the boundary state above would be written nowhere or into the wrong ping-pong slot.
+    # This is the same call at the same point (before the verify ForwardBatch is built), as #32052 adds.
+    from sglang.srt.speculative.spec_utils import prepare_mamba_track_for_verify
+
+    if not batch.forward_mode.is_idle():
+        prepare_mamba_track_for_verify(batch)
+
+
+def apply_dflash_radix_cache_fixes() -> None:
+    """The two DFLASH + hybrid-model radix-cache fixes that make prefix caching safe on Qwen3.5."""
+    check_version()
+    HookRegistry.register(
+        "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2._update_target_mamba_state_after_verify",
+        _commit_mamba_state_at_post_verify_lens, HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.speculative.dflash_info.DFlashVerifyInput.prepare_for_verify",
+        _refresh_mamba_track_before_verify, HookType.BEFORE,
+    )

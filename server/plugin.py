@@ -21,10 +21,12 @@ def register() -> None:
     from qflash.quant.method import NAME, QflashW8A8Config
 
     register_text_only()
-    patches.apply_openai_model_check()
+    patches.apply_openai_checks()
+    patches.apply_request_checks()
     patches.apply_int8_lm_head_draft_pick()
     patches.apply_graph_monitor()
     patches.apply_block_attention()
+    patches.apply_dflash_radix_cache_fixes()
     ModelRegistry.register(MODEL_PACKAGE, overwrite=True, strict=True)
     QUANTIZATION_METHODS[NAME] = QflashW8A8Config
     if NAME not in QUANTIZATION_CHOICES:

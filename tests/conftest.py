@@ -17,10 +17,11 @@ if not torch.cuda.is_available():
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_python(code: str, *args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_python(code: str, *args: str, env: dict | None = None, timeout: int = 300,
+               stdin: str | None = None) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter: SGLang's plugin and hook state is per process."""
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, **(env or {})}, input=stdin)
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,8 @@
 # Everything the H200 checks, in one device call; results and logs land in $OUT. Steps, by variable:
 #   TUNE=1                 python -m qflash.kernels.tune (rewrites the kernel tables; copies them to $OUT)
 #   TESTS="pytest args"    default "-m gpu tests" (all GPU tests); TESTS=0 skips
+#   EVAL_DEPS=1            install lm-eval offline for tests/test_eval_gpu.py (carry .gpu-eval too:
+#                          tests/fetch_eval_deps.sh makes it here, 15.3 MiB)
 #   BENCH_KERNELS=1        qflash bench-kernels
 #   BENCH=sys1,sys2,...    qflash bench --systems ... $BENCH_ARGS (e.g. BENCH_ARGS="--profile-steps 8")
 # Device tool: carry [".gpu"] (a copy of ../shared/device, the offline SGLang bundle); bash tests/run_gpu.sh
@@ -23,10 +25,14 @@ if [ "${TUNE:-0}" = 1 ]; then
   cp kernels/w8a8_gemm.py kernels/w8a16_gemm.py kernels/w8a16_argmax.py "$OUT/"
 fi
 
+if [ "${EVAL_DEPS:-0}" = 1 ]; then
+  bash tests/install_eval_deps.sh /tmp/eval-site && export QFLASH_EVAL_SITE=/tmp/eval-site
+fi
+
 if [ "${TESTS:-}" != 0 ]; then
   # shellcheck disable=SC2086
   timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest ${TESTS:--m gpu tests} -v -s -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1 || status=1
-  grep -E "FAILED|ERROR|ready after|passed|failed|: 4[0-9][0-9] |losslessness|accept length" "$OUT/gpu-tests.log"
+  grep -E "FAILED|ERROR|ready after|passed|failed|: 4[0-9][0-9] |losslessness|accept length|soak:|^prompt [0-9]+:|qflash_tiny" "$OUT/gpu-tests.log"
   pkill -f sglang.launch_server; sleep 3
   tar czf "$OUT/server-logs.tgz" -C "$QFLASH_CACHE" logs 2>/dev/null
 fi

@@ -13,6 +13,15 @@ from qflash.server.cli import main
 RECORDED = json.loads((REPO / "tests" / "data" / "bench-run.json").read_text())
 
 
+def test_stock_systems_run_without_prefix_caching_as_the_protocol_does(dummy_dirs):
+    from qflash.server.launcher import sglang_argv
+
+    for system, (extra, _) in bench.SGLANG_SYSTEMS.items():
+        argv = sglang_argv(*dummy_dirs, extra, stock=system != "qflash", prefix_cache=True)
+        assert ("--disable-radix-cache" in argv) == (system != "qflash"), system
+        assert ("extra_buffer" in argv) == (system == "qflash"), system
+
+
 def test_prompts_are_fresh_random_ids_in_range():
     a, b, c = bench.make_prompt(2048, 1), bench.make_prompt(2048, 2), bench.make_prompt(64, 1)
     assert len(a) == 2048 and len(c) == 64

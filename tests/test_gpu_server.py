@@ -103,25 +103,78 @@ def test_eight_concurrent_requests_all_complete(server):
     assert [r.json()["meta_info"]["completion_tokens"] for r in results] == [48] * 8
 
 
-CHAT = BASE + "/v1/chat/completions"
+GENERATE, CHAT, COMPLETIONS = BASE + "/generate", BASE + "/v1/chat/completions", BASE + "/v1/completions"
 MSG = [{"role": "user", "content": "hi"}]
+VOCAB = 248320
+RAW = "raw"  # the body is sent as these bytes
+
+
+def native(**params) -> dict:
+    return {"text": "hi", "sampling_params": params}
+
+
+def chat(**fields) -> dict:
+    return {"model": MODEL, "messages": MSG, **fields}
+
+
+def completion(**fields) -> dict:
+    return {"model": MODEL, "prompt": "Once upon a time", **fields}
+
+
+# Every bad input of the issue through the native API and both OpenAI endpoints: each must be a 4xx with a
+# message, and the server must go on serving.
 BAD = {
-    "malformed JSON, native": (BASE + "/generate", b'{"text": "hi", "sampling_params": {', "application/json"),
-    "malformed JSON, OpenAI": (CHAT, b'{"model": "Qwen3.5-4B", "messages": [', "application/json"),
-    "unknown model": (CHAT, {"model": "gpt-17", "messages": MSG}, None),
-    "max_tokens -1, OpenAI": (CHAT, {"model": MODEL, "messages": MSG, "max_tokens": -1}, None),
-    "max_new_tokens -1, native": (BASE + "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -1}}, None),
-    "huge max_tokens": (CHAT, {"model": MODEL, "messages": MSG, "max_tokens": 10**9}, None),
-    "prompt over the context, native": (BASE + "/generate", {"input_ids": [1000] * (CONTEXT + 100), "sampling_params": {"max_new_tokens": 8}}, None),
-    "prompt over the context, OpenAI": (BASE + "/v1/completions", {"model": MODEL, "prompt": "hello " * CONTEXT, "max_tokens": 8}, None),
+    "malformed JSON, native": (GENERATE, b'{"text": "hi", "sampling_params": {', RAW),
+    "malformed JSON, chat": (CHAT, b'{"model": "Qwen3.5-4B", "messages": [', RAW),
+    "malformed JSON, completions": (COMPLETIONS, b'{"model": "Qwen3.5-4B", "prompt": "hi"', RAW),
+    "non-UTF-8 bytes, native": (GENERATE, b'{"text": "caf\xe9 \xff\xfe"}', RAW),
+    "non-UTF-8 bytes, chat": (CHAT, b'{"model": "Qwen3.5-4B", "messages": [{"role": "user", "content": "\xc3\x28"}]}', RAW),
+    "non-UTF-8 bytes, completions": (COMPLETIONS, b'{"model": "Qwen3.5-4B", "prompt": "\x80abc"}', RAW),
+    "body not an object, native": (GENERATE, [1, 2], None),
+    "body not an object, chat": (CHAT, [1, 2], None),
+    "body not an object, completions": (COMPLETIONS, "hi", None),
+    "wrong type: text, native": (GENERATE, {"text": 5}, None),
+    "wrong type: max_new_tokens, native": (GENERATE, native(max_new_tokens="ten"), None),
+    "wrong type: unknown sampling parameter, native": (GENERATE, native(bogus=1), None),
+    "wrong type: messages, chat": (CHAT, chat(messages="hi"), None),
+    "wrong type: response_format, chat": (CHAT, chat(response_format="json"), None),
+    "wrong type: prompt, completions": (COMPLETIONS, completion(prompt=5), None),
+    "token id outside the vocabulary, native": (GENERATE, {"input_ids": [1000, VOCAB], "sampling_params": {"max_new_tokens": 4}}, None),
+    "negative token id, native": (GENERATE, {"input_ids": [-1, 1000], "sampling_params": {"max_new_tokens": 4}}, None),
+    "unknown model, chat": (CHAT, chat(model="gpt-17"), None),
+    "unknown model, completions": (COMPLETIONS, completion(model="gpt-17"), None),
+    "empty prompt, native": (GENERATE, {"text": "", "sampling_params": {"max_new_tokens": 4}}, None),
+    "empty messages, chat": (CHAT, chat(messages=[]), None),
+    "empty prompt, completions": (COMPLETIONS, completion(prompt=""), None),
+    "max_new_tokens -1, native": (GENERATE, native(max_new_tokens=-1), None),
+    "max_tokens -1, chat": (CHAT, chat(max_tokens=-1), None),
+    "max_tokens -1, completions": (COMPLETIONS, completion(max_tokens=-1), None),
+    "max_tokens 0, chat": (CHAT, chat(max_tokens=0), None),
+    "max_completion_tokens 0, chat": (CHAT, chat(max_completion_tokens=0), None),
+    "max_tokens 0, completions": (COMPLETIONS, completion(max_tokens=0), None),
+    "max_new_tokens over the context, native": (GENERATE, native(max_new_tokens=10**9), None),
+    "max_tokens over the context, chat": (CHAT, chat(max_tokens=10**9), None),
+    "max_tokens over the context, completions": (COMPLETIONS, completion(max_tokens=CONTEXT), None),
+    "prompt over the context, native": (GENERATE, {"input_ids": [1000] * (CONTEXT + 100), "sampling_params": {"max_new_tokens": 8}}, None),
+    "prompt over the context, chat": (CHAT, chat(messages=[{"role": "user", "content": "hello " * CONTEXT}], max_tokens=8), None),
+    "prompt over the context, completions": (COMPLETIONS, completion(prompt="hello " * CONTEXT, max_tokens=8), None),
+    "n 0, native": (GENERATE, native(n=0), None),
+    "n not an integer, native": (GENERATE, native(n="two"), None),
+    "n 0, chat": (CHAT, chat(n=0, max_tokens=4), None),
+    "n -1, completions": (COMPLETIONS, completion(n=-1, max_tokens=4), None),
+    "temperature -1, native": (GENERATE, native(temperature=-1), None),
+    "temperature not a number, native": (GENERATE, native(temperature="hot"), None),
+    "temperature -1, chat": (CHAT, chat(temperature=-1), None),
+    "temperature not a number, chat": (CHAT, chat(temperature="hot"), None),
+    "temperature -1, completions": (COMPLETIONS, completion(temperature=-0.5), None),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_input_gets_a_readable_4xx_and_the_server_keeps_serving(server, case):
-    url, body, content_type = BAD[case]
-    if content_type:
-        r = requests.post(url, data=body, headers={"Content-Type": content_type}, timeout=120)
+    url, body, kind = BAD[case]
+    if kind == RAW:
+        r = requests.post(url, data=body, headers={"Content-Type": "application/json"}, timeout=120)
     else:
         r = requests.post(url, json=body, timeout=120)
     assert 400 <= r.status_code < 500, f"{case}: {r.status_code} {r.text[:500]}"

@@ -91,31 +91,40 @@ def test_multimodal_checkpoint_names_map_to_the_text_model():
                    "lm_head.weight", "model.layers.3.self_attn.q_proj.weight"]
 
 
-def test_preset_server_arguments_pass_sglang_validation(dummy_dirs):
-    # SGLang validates DFLASH arguments only for a CUDA device; `--device cuda` lets it do so here.
-    argv = sglang_argv(*dummy_dirs, ["--device", "cuda"])[3:]
+def validated_server_args(argv: list[str], fields: list[str]) -> list:
+    """The named fields of SGLang's ServerArgs after its own parsing and validation, with the qflash plugin.
+
+    SGLang validates DFLASH and the GDN radix cache only for a CUDA device: `--device cuda` and a
+    CUDA-present `is_cuda` let it do so on this CPU machine."""
     code = ("import json, sys\nfrom sglang.srt.plugins import load_plugins\nload_plugins()\n"
-            "from sglang.srt.server_args import prepare_server_args\n"
-            "a = prepare_server_args(sys.argv[1:])\n"
-            "g = a.cuda_graph_config\n"
-            "print(json.dumps([a.speculative_algorithm, a.speculative_num_draft_tokens, a.enable_multimodal,"
-            " a.served_model_name, a.load_format, a.context_length, a.chunked_prefill_size, g.decode.bs, g.prefill.bs]))")
-    result = run_python(code, *argv, env={"SGLANG_PLUGINS": "qflash"})
+            "import functools, sglang.srt.server_args as sa\nsa.is_cuda = lambda: True\n"
+            "a = sa.prepare_server_args(sys.argv[2:])\n"
+            "print(json.dumps([functools.reduce(getattr, f.split('.'), a) for f in sys.argv[1].split(',')]))")
+    result = run_python(code, ",".join(fields), *argv, "--device", "cuda", env={"SGLANG_PLUGINS": "qflash"})
     assert result.returncode == 0, result.stderr[-3000:]
-    got = json.loads(result.stdout.strip().splitlines()[-1])
-    assert got[:7] == ["DFLASH", 16, None, "Qwen3.5-4B", "dummy", 16384, 8192]
-    assert got[7:] == [list(range(1, 9)), prefill_token_buckets(16, 8192)]  # graphs/policy.py's shapes reach SGLang
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_preset_server_arguments_pass_sglang_validation(dummy_dirs):
+    fields = ["speculative_algorithm", "speculative_num_draft_tokens", "enable_multimodal", "served_model_name",
+              "load_format", "context_length", "disable_radix_cache", "chunked_prefill_size",
+              "cuda_graph_config.decode.bs", "cuda_graph_config.prefill.bs"]
+    got = validated_server_args(sglang_argv(*dummy_dirs, [])[3:], fields)
+    assert got[:8] == ["DFLASH", 16, None, "Qwen3.5-4B", "dummy", 16384, True, 8192]
+    assert got[8:] == [list(range(1, 9)), prefill_token_buckets(16, 8192)]  # graphs/policy.py's shapes reach SGLang
+
+
+def test_prefix_cache_server_arguments_pass_sglang_validation(dummy_dirs):
+    fields = ["disable_radix_cache", "mamba_radix_cache_strategy", "disable_overlap_schedule", "mamba_track_interval"]
+    got = validated_server_args(sglang_argv(*dummy_dirs, [], prefix_cache=True)[3:], fields)
+    # GDN states checkpointed every 256 tokens, overlap scheduling kept
+    assert got == [False, "extra_buffer", False, 256]
 
 
 def test_w8a8_server_arguments_pass_sglang_validation(dummy_dirs):
-    argv = sglang_argv(dummy_dirs[0].parent / "w8a8" / "Qwen3.5-4B", dummy_dirs[1], ["--device", "cuda"])[3:]
-    code = ("import json, sys\nfrom sglang.srt.plugins import load_plugins\nload_plugins()\n"
-            "from sglang.srt.server_args import prepare_server_args\n"
-            "a = prepare_server_args(sys.argv[1:])\n"
-            "print(json.dumps([a.quantization, a.speculative_draft_model_quantization, a.served_model_name]))")
-    result = run_python(code, *argv, env={"SGLANG_PLUGINS": "qflash"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == ["qflash_w8a8", "qflash_w8a8", "Qwen3.5-4B"]
+    argv = sglang_argv(dummy_dirs[0].parent / "w8a8" / "Qwen3.5-4B", dummy_dirs[1], [])[3:]
+    got = validated_server_args(argv, ["quantization", "speculative_draft_model_quantization", "served_model_name"])
+    assert got == ["qflash_w8a8", "qflash_w8a8", "Qwen3.5-4B"]
 
 
 def test_patches_refuse_another_sglang(monkeypatch):

@@ -1,0 +1,53 @@
+"""`qflash eval --base-url` against the served dummy model, on the tiny local task (GPU only).
+
+The plumbing of the quality gates on the real server path: lm-eval loads the local task, sends its
+prompts through the server's `/v1/chat/completions` and scores the answers (a random model's answers,
+so the gate is 0). The offline GPU machine lacks lm-eval: tests/run_gpu.sh installs it with EVAL_DEPS=1
+(tests/install_eval_deps.sh) and names the folder in QFLASH_EVAL_SITE, which only this command sees.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, launched
+
+SITE = os.environ.get("QFLASH_EVAL_SITE")
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+       **({"PYTHONPATH": os.pathsep.join(filter(None, [SITE, os.environ.get("PYTHONPATH")]))} if SITE else {})}
+
+
+def has_lm_eval() -> bool:
+    return subprocess.run([sys.executable, "-c", "import lm_eval"], env=ENV, capture_output=True).returncode == 0
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+PORT = 30060
+BASE = f"http://127.0.0.1:{PORT}"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if not has_lm_eval():
+        pytest.skip("lm-eval is not installed (offline GPU machine: tests/run_gpu.sh with EVAL_DEPS=1)")
+    with launched("--port", str(PORT), log=tmp_path_factory.mktemp("eval") / "launch.out") as proc:
+        yield proc
+
+
+def test_qflash_eval_runs_lm_eval_against_the_server(server, tmp_path):
+    out = tmp_path / "eval.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "qflash.server.cli", "eval", "--base-url", BASE, "--tasks", "qflash_tiny",
+         "--include-path", str(REPO / "tests" / "data" / "eval"), "--threshold", "qflash_tiny:exact_match,none=0",
+         "--output", str(out)], capture_output=True, text=True, timeout=300, env=ENV)
+    print(result.stdout)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    saved = json.loads(out.read_text())
+    assert saved["model"] == "Qwen3.5-4B" and saved["passed"]
+    assert 0.0 <= saved["results"]["qflash_tiny"]["exact_match,none"] <= 1.0
+    assert "| qflash_tiny | exact_match,none |" in result.stdout

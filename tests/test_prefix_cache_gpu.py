@@ -1,0 +1,84 @@
+"""Prefix caching with DFLASH on the hybrid model, end to end through `./launch.sh` (GPU only).
+
+The radix cache checkpoints the Gated-DeltaNet state every 256 tokens (`extra_buffer`); a checkpoint
+passed during decoding is written by a verify step whose committed tokens cross it, which is what
+sglang#37817 broke and server/patches.py fixes. Each case decodes across such a boundary, then sends a
+request extending that output: its cache hit includes the decode-written checkpoint, and its greedy
+output must equal, token for token, the same request on an empty cache (computed as with the radix cache
+off: a full prefill). Real verification (SGLANG_SIMULATE_ACC_LEN unset). QFLASH_CHECKPOINT and
+QFLASH_DRAFTER serve real weights instead of the dummy (see tests/test_quantized_server_gpu.py).
+"""
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from conftest import launched
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+PORT = 30040
+BASE = f"http://127.0.0.1:{PORT}"
+INTERVAL = 256  # SGLang's mamba_track_interval
+NEW = 96  # tokens the first request decodes: enough verify steps to cross the next checkpoint
+# prompt lengths just below a checkpoint, so decoding crosses 256, 1024 and 2048
+PROMPTS = [250, 1000, 2040]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    os.environ.pop("SGLANG_SIMULATE_ACC_LEN", None)  # real verification: acceptance decides where steps end
+    real = [os.environ.get("QFLASH_CHECKPOINT"), os.environ.get("QFLASH_DRAFTER")]
+    model = ["--model-path", real[0], "--draft-model-path", real[1]] if all(real) else []
+    with launched(*model, "--prefix-cache", "--port", str(PORT), log=tmp_path_factory.mktemp("prefix") / "launch.out") as proc:
+        yield proc
+
+
+def generate(ids: list[int], new: int) -> dict:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}}
+    r = requests.post(BASE + "/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text[:1000]
+    return r.json()
+
+
+def flush() -> None:
+    r = requests.post(BASE + "/flush_cache", timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(f"prefix-{length}-{seed}")
+    return [rng.randrange(1000, 200000) for _ in range(length)]
+
+
+def test_repeat_requests_reuse_the_cache(server):
+    flush()
+    ids = prompt(1000, 0)
+    first, again = generate(ids, 32), generate(ids, 32)
+    assert first["meta_info"]["cached_tokens"] == 0
+    # the prefill checkpointed the state at 960 (64-token chunks); the decode at 1024 extends past the prompt
+    assert again["meta_info"]["cached_tokens"] >= 960, again["meta_info"]
+
+
+@pytest.mark.parametrize("length", PROMPTS)
+def test_a_prefix_checkpointed_during_verify_gives_the_same_output_as_no_cache(server, length):
+    flush()
+    ids = prompt(length, 1)
+    first = generate(ids, NEW)
+    boundary = (length + NEW) // INTERVAL * INTERVAL
+    assert length < boundary, "the first request must decode across a checkpoint"
+    follow = ids + first["output_ids"][: boundary - length + 8] + prompt(24, 2)  # past the checkpoint, then new text
+    cached = generate(follow, 48)
+    flush()
+    fresh = generate(follow, 48)
+    meta = cached["meta_info"]
+    print(f"\nprompt {length}: first request accept length {first['meta_info']['spec_accept_length']:.2f}; follow-up "
+          f"{len(follow)} tokens, {meta['cached_tokens']} from the cache, {len(set(fresh['output_ids']))} distinct output ids")
+    assert meta["cached_tokens"] >= boundary, meta  # the hit includes the checkpoint written by a verify step
+    assert fresh["meta_info"]["cached_tokens"] == 0
+    mismatch = next((i for i, (a, b) in enumerate(zip(cached["output_ids"], fresh["output_ids"])) if a != b), None)
+    assert cached["output_ids"] == fresh["output_ids"], f"first difference at output token {mismatch}"
