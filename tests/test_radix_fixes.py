@@ -51,7 +51,7 @@ TRACKED = [5, -1, -1, 0, 3, 15, 0]
 
 
 def commit(dummy_dirs, plugins: str) -> dict:
-    argv = sglang_argv(*dummy_dirs, ["--device", "cuda"])[3:]
+    argv = sglang_argv(*dummy_dirs, ["--device", "cuda"], prefix_cache=True)[3:]
     env = {"SGLANG_PLUGINS": plugins, "PRE": json.dumps(PRE), "COMMIT_LENS": json.dumps(COMMIT_LENS)}
     result = run_python(COMMIT, *argv, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -94,7 +94,7 @@ print(json.dumps(out))
 
 
 def test_verify_rebuilds_the_tracking_slots_from_the_requests(dummy_dirs):
-    result = run_python(REFRESH, *sglang_argv(*dummy_dirs, ["--device", "cuda"])[3:], env={"SGLANG_PLUGINS": "qflash"})
+    result = run_python(REFRESH, *sglang_argv(*dummy_dirs, ["--device", "cuda"], prefix_cache=True)[3:], env={"SGLANG_PLUGINS": "qflash"})
     assert result.returncode == 0, result.stderr[-3000:]
     got = json.loads(result.stdout.strip().splitlines()[-1])
     assert got["hooked"]
