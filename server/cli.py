@@ -57,7 +57,7 @@ def _bench(args: argparse.Namespace, extra: list[str]) -> int:
 def _profile(args: argparse.Namespace, extra: list[str]) -> int:
     from qflash.server.profile import run_profile
 
-    return run_profile(args.system, args.out, args.prompt_len, args.steps, args.acc_len, extra)
+    return run_profile(args.system, args.out, args.prompt_len, args.steps, args.acc_len, extra, prefill=args.prefill)
 
 
 def _bench_kernels(args: argparse.Namespace, extra: list[str]) -> int:
@@ -126,6 +126,7 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--system", choices=list(SGLANG_SYSTEMS), default="qflash")
     f.add_argument("--prompt-len", type=positive_csv, default=[2048], help="comma list of prompt lengths (one server)")
     f.add_argument("--steps", type=int, default=10, help="cycles to record (default 10)")
+    f.add_argument("--prefill", action="store_true", help="record the request's first steps (its prefill) instead")
     f.add_argument("--acc-len", type=float, default=ACCEPT_LEN, help="SGLANG_SIMULATE_ACC_LEN (default 6.5)")
     f.add_argument("--out", type=Path, required=True, help="folder for the trace, profile.md and profile.json")
     f.set_defaults(func=_profile, passthrough=True)

@@ -3,7 +3,8 @@
 Starts a system as `qflash bench` does (dummy model, SGLANG_SIMULATE_ACC_LEN), sends one warm-up request,
 then streams one request of the given prompt length; a few cycles into its decoding (prefill done), SGLang's
 own profiler (`/start_profile`, CPU + GPU activities) records a fixed number of forward steps, each one
-DFlash draft + verify cycle.
+DFlash draft + verify cycle. With `--prefill` the profiler starts before the request instead, so its first
+steps are recorded: the prefill (target and draft) that the time to first token is made of.
 The trace's GPU kernels are summed by family per step and by launch: each CUDA-graph replay is one group
 (named by what it holds: the draft graph picks tokens with an argmax, the verify graph runs Gated-DeltaNet),
 kernels launched one by one are "eager". The window's wall time minus the busy time is the GPU waiting on the
@@ -120,43 +121,48 @@ def _wait_for_trace(folder: Path, timeout_s: float = 300) -> Path:
     raise TimeoutError(f"no profiler trace in {folder} after {timeout_s:.0f} s")
 
 
-def _profile_one(server, system: str, traces: Path, prompt_len: int, steps: int) -> Path:
-    """Warm up at this length, then record `steps` cycles of a second request; returns the trace file."""
+def _profile_one(server, system: str, traces: Path, prompt_len: int, steps: int, prefill: bool = False) -> Path:
+    """Warm up at this length, then record `steps` forward steps of a second request: decode cycles from a
+    few cycles in, or with `prefill` its first steps (the prefill and what follows); returns the trace file."""
     sampling = {"max_new_tokens": OUTPUT_LEN, "temperature": 0.0, "ignore_eos": True}
+    profile = {"output_dir": str(traces), "num_steps": steps, "activities": ["CPU", "GPU"],
+               "profile_prefix": system, "with_stack": False, "record_shapes": False}
     traces.mkdir(parents=True, exist_ok=True)
     for index in (0, 1):  # a warm-up request, then the profiled one
+        if index and prefill:
+            requests.post(server.base_url + "/start_profile", json=profile, timeout=120).raise_for_status()
         body = {"input_ids": make_prompt(prompt_len, index), "sampling_params": sampling, "stream": True}
         with requests.post(server.base_url + "/generate", json=body, stream=True, timeout=600) as resp:
             resp.raise_for_status()
             chunks = (line for line in resp.iter_lines() if line.startswith(b"data:"))
             for n, _ in enumerate(chunks):
-                if index and n == SKIP_CYCLES:
-                    profile = {"output_dir": str(traces), "num_steps": steps, "activities": ["CPU", "GPU"],
-                               "profile_prefix": system, "with_stack": False, "record_shapes": False}
+                if index and not prefill and n == SKIP_CYCLES:
                     requests.post(server.base_url + "/start_profile", json=profile, timeout=120).raise_for_status()
     return _wait_for_trace(traces)
 
 
-def profile_buckets(server, system: str, out: Path, prompt_lens: list[int], steps: int, flags: list[str] = ()) -> dict:
-    """Profile `steps` cycles at each prompt length on a running server; one table per length in `out`."""
-    out = Path(out).resolve()
-    found = [(n, _profile_one(server, system, out / "traces" / f"{system}-{n}", n, steps)) for n in prompt_lens]
+def profile_buckets(server, system: str, out: Path, prompt_lens: list[int], steps: int, flags: list[str] = (),
+                    prefill: bool = False) -> dict:
+    """Profile `steps` cycles (or, with `prefill`, a request's first steps) at each prompt length on a
+    running server; one table per length in `out`."""
+    out, kind = Path(out).resolve(), "-prefill" if prefill else ""
+    found = [(n, _profile_one(server, system, out / "traces" / f"{system}-{n}{kind}", n, steps, prefill)) for n in prompt_lens]
     report = {}
     for prompt_len, trace_path in found:
         summary = summarize(json.loads(gzip.open(trace_path).read()), steps)
-        extra = f" {' '.join(flags)}" if flags else ""
+        extra = (" --prefill" if prefill else "") + (f" {' '.join(flags)}" if flags else "")
         table = render(summary, f"`qflash profile --system {system} --prompt-len {prompt_len} --steps {steps}{extra}`: {trace_path.name}")
-        (out / f"{system}-{prompt_len}-profile.md").write_text(table)
+        (out / f"{system}-{prompt_len}{kind}-profile.md").write_text(table)
         report[prompt_len] = summary
         print(table)
-    (out / f"{system}-profile.json").write_text(json.dumps({"flags": list(flags), "by_prompt_len": report}, indent=2))
+    (out / f"{system}{kind}-profile.json").write_text(json.dumps({"flags": list(flags), "by_prompt_len": report}, indent=2))
     return report
 
 
 def run_profile(system: str, out: Path, prompt_lens: list[int], steps: int, acc_len: float,
-                flags: list[str] = (), port: int = 30030) -> int:
+                flags: list[str] = (), port: int = 30030, prefill: bool = False) -> int:
     """Profile one server of `system` (plus extra SGLang `flags`) at each prompt length; one table per length."""
     out = Path(out).resolve()
     with system_server(system, out / f"{system}.log", port, acc_len, flags=list(flags)) as server:
-        profile_buckets(server, system, out, prompt_lens, steps, flags)
+        profile_buckets(server, system, out, prompt_lens, steps, flags, prefill)
     return 0

@@ -70,4 +70,64 @@ def test_a_trace_without_gpu_events_is_refused():
 def test_profile_command_line():
     args, extra = parser().parse_known_args(["profile", "--out", "/tmp/p", "--prompt-len", "64,8192", "--attention-backend", "flashinfer"])
     assert (args.system, args.prompt_len, args.steps, args.acc_len) == ("qflash", [64, 8192], 10, 6.5)
-    assert extra == ["--attention-backend", "flashinfer"] and args.passthrough
+    assert extra == ["--attention-backend", "flashinfer"] and args.passthrough and not args.prefill
+    assert parser().parse_args(["profile", "--out", "/tmp/p", "--prefill", "--steps", "2"]).prefill
+
+
+@pytest.mark.parametrize("prefill", [False, True], ids=["cycles", "prefill"])
+def test_the_profiler_starts_before_the_request_or_a_few_cycles_in(tmp_path, monkeypatch, prefill):
+    """Against a local HTTP stand-in for SGLang's two endpoints, streaming a chunk every 0.1 s: when the
+    profiler is started, relative to the profiled request's chunks, is what is checked."""
+    import gzip
+    import json
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    from qflash.server import profile
+
+    monkeypatch.setattr(profile, "_wait_for_trace", lambda folder: next(folder.glob("*.trace.json.gz")))
+    sent = []  # chunks streamed so far, per request
+    started = []  # (request index, chunks it had streamed) at each /start_profile
+
+    class Stub(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # chunked streaming, as SGLang's server sends it
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            if self.path == "/start_profile":
+                started.append((len(sent) - 1, sent[-1] if sent else None))
+                with gzip.open(f"{body['output_dir']}/{body['profile_prefix']}-0.trace.json.gz", "wt") as f:
+                    json.dump({"traceEvents": []}, f)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            sent.append(0)
+            for _ in range(8):
+                data = b'data: {"text": "x"}\n\n'
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+                sent[-1] += 1
+                time.sleep(0.1)
+            self.wfile.write(b"0\r\n\r\n")
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        trace = profile._profile_one(SimpleNamespace(base_url=f"http://127.0.0.1:{httpd.server_address[1]}"),
+                                     "qflash", tmp_path, 64, 2, prefill)
+    finally:
+        httpd.shutdown()
+    assert trace.name == "qflash-0.trace.json.gz" and len(started) == 1 and len(sent) == 2
+    request, chunks = started[0]
+    if prefill:
+        assert (request, chunks) == (0, 8)  # after the warm-up, before the profiled request
+    else:
+        assert request == 1 and chunks in (profile.SKIP_CYCLES + 1, profile.SKIP_CYCLES + 2)  # a few cycles in
