@@ -85,7 +85,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--log", type=Path, help="server log file")
     s.add_argument("--dry-run", action="store_true", help="print the SGLang command and exit")
     s.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=PREFIX_CACHE,
-                   help="SGLang's radix cache with qflash's DFLASH fixes (default: off until GPU-tested)")
+                   help="SGLang's radix cache with qflash's DFLASH fixes (default: on)")
     s.set_defaults(func=_serve, passthrough=True)
 
     d = sub.add_parser("make-dummy", help="write an offline Qwen3.5-4B + DFlash model (config + tokenizer)")

@@ -144,9 +144,9 @@ DFLASH_FLAGS = [
 # Prefix caching (SGLang's radix cache). On the hybrid GDN model the radix cache also checkpoints the GDN
 # state every 256 tokens (`extra_buffer`: keeps overlap scheduling on, which `no_buffer` would turn off; it
 # needs the triton linear-attention backend, the default), made correct under DFLASH by
-# patches.apply_dflash_radix_cache_fixes. Off by default until tests/test_prefix_cache_gpu.py has passed on
-# the H200 (`./launch.sh --prefix-cache` turns it on); stock systems always run without it, as the protocol.
-PREFIX_CACHE = False
+# patches.apply_dflash_radix_cache_fixes (tests/test_prefix_cache_gpu.py). On by default (`./launch.sh
+# --no-prefix-cache` turns it off); stock systems always run without it, as the protocol has them.
+PREFIX_CACHE = True
 PREFIX_CACHE_FLAGS = {True: ["--mamba-radix-cache-strategy", "extra_buffer"], False: ["--disable-radix-cache"]}
 
 # How a qflash W8A8 checkpoint is served: the body and int8 lm_head by qflash's method (quant/method.py),

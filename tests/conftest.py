@@ -33,7 +33,9 @@ def dummy_dirs(tmp_path_factory):
 
 @contextlib.contextmanager
 def launched(*args: str, log: Path, timeout_s: float = 900):
-    """`./launch.sh ARGS` in its own process group until it prints that it is ready; Ctrl-C on exit."""
+    """`./launch.sh ARGS` in its own process group until it prints that it is ready; Ctrl-C on exit. The shared
+    server stops first."""
+    stop_served()
     with open(log, "w") as out:
         proc = subprocess.Popen([str(REPO / "launch.sh"), *args], stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHON": sys.executable}, start_new_session=True)
@@ -51,3 +53,36 @@ def launched(*args: str, log: Path, timeout_s: float = 900):
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+
+SERVED_PORT = 30000
+SERVED = f"http://127.0.0.1:{SERVED_PORT}"
+_served: list[contextlib.ExitStack] = []  # the shared server while it runs
+
+
+def pytest_collection_modifyitems(items):
+    """Tests on the shared default server (`served`) run first: it starts once, then stops for the tests that
+    launch servers of their own (an H200 holds one server at SGLang's memory fraction)."""
+    items.sort(key=lambda item: "served" not in getattr(item, "fixturenames", ()))
+
+
+def stop_served() -> None:
+    while _served:
+        _served.pop().close()
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory):
+    """`./launch.sh` as a user starts it, once for every GPU module that talks to the default server (a start
+    costs minutes of device time): the dummy W8A8 model on qflash's kernels, DFLASH K=16, prefix caching on.
+    Real verification (SGLANG_SIMULATE_ACC_LEN unset). QFLASH_CHECKPOINT and QFLASH_DRAFTER serve real
+    weights instead of the dummy (see tests/test_quantized_server_gpu.py)."""
+    os.environ.pop("SGLANG_SIMULATE_ACC_LEN", None)
+    real = [os.environ.get("QFLASH_CHECKPOINT"), os.environ.get("QFLASH_DRAFTER")]
+    model = ["--model-path", real[0], "--draft-model-path", real[1]] if all(real) else []
+    stack = contextlib.ExitStack()
+    stack.enter_context(launched(*model, "--port", str(SERVED_PORT), log=tmp_path_factory.mktemp("served") / "launch.out"))
+    _served.append(stack)
+    yield
+    stop_served()

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, launched
+from conftest import REPO, SERVED as BASE
 
 SITE = os.environ.get("QFLASH_EVAL_SITE")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -25,18 +25,15 @@ def has_lm_eval() -> bool:
     return subprocess.run([sys.executable, "-c", "import lm_eval"], env=ENV, capture_output=True).returncode == 0
 
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-
-PORT = 30060
-BASE = f"http://127.0.0.1:{PORT}"
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.skipif(torch.cuda.is_available() and not has_lm_eval(),
+                                 reason="lm-eval is not installed (offline GPU machine: tests/run_gpu.sh with EVAL_DEPS=1)")]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    if not has_lm_eval():
-        pytest.skip("lm-eval is not installed (offline GPU machine: tests/run_gpu.sh with EVAL_DEPS=1)")
-    with launched("--port", str(PORT), log=tmp_path_factory.mktemp("eval") / "launch.out") as proc:
-        yield proc
+def server(served):
+    """`./launch.sh` with no arguments (conftest.served)."""
+    return served
 
 
 def test_qflash_eval_runs_lm_eval_against_the_server(server, tmp_path):

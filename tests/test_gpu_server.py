@@ -1,4 +1,4 @@
-"""The server end to end, started once through `./launch.sh` (GPU machine only: `pytest -m gpu`)."""
+"""The server end to end, started through `./launch.sh` (GPU machine only: `pytest -m gpu`)."""
 
 import concurrent.futures
 
@@ -6,21 +6,18 @@ import pytest
 import requests
 import torch
 
-from conftest import launched
+from conftest import SERVED as BASE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-PORT = 30000
-BASE = f"http://127.0.0.1:{PORT}"
 MODEL = "Qwen3.5-4B"
 CONTEXT = 16384
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`./launch.sh` with no arguments: the dummy W8A8 model on qflash's kernels, DFLASH K=16."""
-    with launched(log=tmp_path_factory.mktemp("launch") / "launch.out") as proc:
-        yield proc
+def server(served):
+    """`./launch.sh` with no arguments (conftest.served)."""
+    return served
 
 
 @pytest.fixture(scope="module")

@@ -40,14 +40,16 @@ def test_no_arguments_builds_and_serves_the_dummy_model(cache):
     assert flag(argv, "--speculative-algorithm") == "DFLASH" and flag(argv, "--speculative-dflash-block-size") == "16"
     assert (flag(argv, "--host"), flag(argv, "--port")) == ("127.0.0.1", "30000")
     assert flag(argv, "--served-model-name") == "Qwen3.5-4B"
-    assert "--disable-radix-cache" in argv and flag(argv, "--cuda-graph-bs-decode") == "1"  # graphs/ shapes
+    assert flag(argv, "--cuda-graph-bs-decode") == "1"  # graphs/ shapes
+    # prefix caching with the GDN state checkpoints
+    assert "--disable-radix-cache" not in argv and flag(argv, "--mamba-radix-cache-strategy") == "extra_buffer"
 
 
-def test_prefix_cache_is_opt_in(cache):
-    result = launch("--prefix-cache", "--dry-run", cache=cache)
+def test_prefix_cache_can_be_turned_off(cache):
+    result = launch("--no-prefix-cache", "--dry-run", cache=cache)
     assert result.returncode == 0, result.stderr
     argv = shlex.split(result.stdout.strip().splitlines()[-1])
-    assert "--disable-radix-cache" not in argv and flag(argv, "--mamba-radix-cache-strategy") == "extra_buffer"
+    assert "--disable-radix-cache" in argv and "--mamba-radix-cache-strategy" not in argv
 
 
 def test_real_checkpoints_and_passthrough_flags(cache, tmp_path):

@@ -5,24 +5,19 @@ passed during decoding is written by a verify step whose committed tokens cross 
 sglang#37817 broke and server/patches.py fixes. Each case decodes across such a boundary, then sends a
 request extending that output: its cache hit includes the decode-written checkpoint, and its greedy
 output must equal, token for token, the same request on an empty cache (computed as with the radix cache
-off: a full prefill). Real verification (SGLANG_SIMULATE_ACC_LEN unset). QFLASH_CHECKPOINT and
-QFLASH_DRAFTER serve real weights instead of the dummy (see tests/test_quantized_server_gpu.py).
+off: a full prefill). Real verification (SGLANG_SIMULATE_ACC_LEN unset: acceptance decides where steps end).
 """
 
-import os
 import random
-from pathlib import Path
 
 import pytest
 import requests
 import torch
 
-from conftest import launched
+from conftest import SERVED as BASE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-PORT = 30040
-BASE = f"http://127.0.0.1:{PORT}"
 INTERVAL = 256  # SGLang's mamba_track_interval
 NEW = 96  # tokens the first request decodes: enough verify steps to cross the next checkpoint
 # prompt lengths just below a checkpoint, so decoding crosses 256, 1024 and 2048
@@ -30,12 +25,9 @@ PROMPTS = [250, 1000, 2040]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    os.environ.pop("SGLANG_SIMULATE_ACC_LEN", None)  # real verification: acceptance decides where steps end
-    real = [os.environ.get("QFLASH_CHECKPOINT"), os.environ.get("QFLASH_DRAFTER")]
-    model = ["--model-path", real[0], "--draft-model-path", real[1]] if all(real) else []
-    with launched(*model, "--prefix-cache", "--port", str(PORT), log=tmp_path_factory.mktemp("prefix") / "launch.out") as proc:
-        yield proc
+def server(served):
+    """`./launch.sh` (conftest.served): prefix caching is on by default."""
+    return served
 
 
 def generate(ids: list[int], new: int) -> dict:

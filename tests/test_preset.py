@@ -61,8 +61,8 @@ def test_serving_flags_use_dflash_block_16():
     assert flags[flags.index("--speculative-dflash-block-size") + 1] == "16"
 
 
-def test_prefix_caching_is_opt_in_with_gdn_state_checkpoints():
-    assert preset.PREFIX_CACHE is False  # until tests/test_prefix_cache_gpu.py has passed on the H200
+def test_prefix_caching_is_on_with_gdn_state_checkpoints():
+    assert preset.PREFIX_CACHE is True
     assert not {"--disable-radix-cache", "--mamba-radix-cache-strategy"} & set(preset.DFLASH_FLAGS)
     assert preset.PREFIX_CACHE_FLAGS == {True: ["--mamba-radix-cache-strategy", "extra_buffer"],
                                          False: ["--disable-radix-cache"]}

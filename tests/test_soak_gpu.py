@@ -4,12 +4,11 @@ Prompts of 64 to 8,192 tokens, one third each through `/generate`, `/v1/chat/com
 streaming form, all sent at once (the server runs 8 at a time and queues the rest). Every request must
 complete, and give the same greedy output as the same request run alone on an empty cache. Then clients
 that hang up mid-stream must leave no request behind, and the next requests must still run. Prints
-the throughput for BENCHMARKS.md. Real verification (SGLANG_SIMULATE_ACC_LEN unset).
+the throughput for BENCHMARKS.md. Real verification (SGLANG_SIMULATE_ACC_LEN unset); prefix caching on, as served by default.
 """
 
 import concurrent.futures
 import json
-import os
 import random
 import time
 
@@ -17,12 +16,10 @@ import pytest
 import requests
 import torch
 
-from conftest import launched
+from conftest import SERVED as BASE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-PORT = 30050
-BASE = f"http://127.0.0.1:{PORT}"
 MODEL = "Qwen3.5-4B"
 REQUESTS, NEW = 64, 32
 LENGTHS = (64, 300, 1000, 2048, 4096, 8192)
@@ -30,10 +27,9 @@ APIS = ("native", "chat", "stream")
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    os.environ.pop("SGLANG_SIMULATE_ACC_LEN", None)
-    with launched("--port", str(PORT), log=tmp_path_factory.mktemp("soak") / "launch.out") as proc:
-        yield proc
+def server(served):
+    """`./launch.sh` with no arguments (conftest.served), prefix caching on."""
+    return served
 
 
 def plan() -> list[dict]:
