@@ -20,7 +20,7 @@ import orjson
 import requests
 from tqdm import tqdm
 
-from qflash.server.launcher import ServerDied, ServerProcess, dummy_model_dirs, plugin_env, sglang_argv
+from qflash.server.launcher import ServerDied, ServerProcess, dummy_model_dirs, freeze_gc, plugin_env, sglang_argv
 
 OUTPUT_LEN = 256
 BUCKETS = (64, 2048, 8192)
@@ -221,6 +221,8 @@ def system_server(system: str, log: Path, port: int, acc_len: float, env: dict |
     ).start()
     try:
         took = server.wait_ready()
+        if system == "qflash":
+            freeze_gc(server.base_url)  # what `qflash serve` does once ready
         tqdm.write(f"{system}: ready in {took:.0f} s")
         yield server
     finally:

@@ -98,3 +98,30 @@ def test_a_quantized_checkpoint_is_served_by_qflash_w8a8(cache, tmp_path):
     argv = shlex.split(result.stdout.strip().splitlines()[-1])
     assert flag(argv, "--quantization") == "qflash_w8a8" and flag(argv, "--speculative-draft-model-quantization") == "qflash_w8a8"
     assert "--load-format" not in argv and flag(argv, "--served-model-name") == "Qwen3.5-4B-W8A8"
+
+
+def test_freeze_gc_posts_to_sglangs_route():
+    """`qflash serve` freezes the server's start-up heap through SGLang's own route, which must exist as called."""
+    import http.server
+    import threading
+
+    from sglang.srt.entrypoints.http_server import app
+    from qflash.server.launcher import freeze_gc
+
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen.append(("POST", self.path))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    stub = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=stub.handle_request, daemon=True).start()
+    freeze_gc(f"http://127.0.0.1:{stub.server_port}")
+    stub.server_close()
+    assert seen == [("POST", "/freeze_gc")]
+    assert any(getattr(r, "path", None) == "/freeze_gc" and "POST" in r.methods for r in app.routes)
