@@ -21,6 +21,7 @@ import requests
 from tqdm import tqdm
 
 from qflash.server.launcher import ServerDied, ServerProcess, dummy_model_dirs, freeze_gc, plugin_env, sglang_argv
+from qflash.server.preset import PREFIX_CACHE
 
 OUTPUT_LEN = 256
 BUCKETS = (64, 2048, 8192)
@@ -210,13 +211,14 @@ def _run_baseline(plan: list[dict], out: Path, progress) -> list[dict]:
 
 
 @contextlib.contextmanager
-def system_server(system: str, log: Path, port: int, acc_len: float, env: dict | None = None, flags: list[str] = ()):
+def system_server(system: str, log: Path, port: int, acc_len: float, env: dict | None = None, flags: list[str] = (),
+                  prefix_cache: bool = PREFIX_CACHE):
     """One SGLang system of the scoreboard on the dummy model (plus extra SGLang `flags`), started, ready, and
-    stopped on exit."""
+    stopped on exit; `prefix_cache` applies to qflash (stock systems run without, as the protocol has them)."""
     extra, plugins = SGLANG_SYSTEMS[system]
     target, drafter = dummy_model_dirs(quantized=system == "qflash")
     server = ServerProcess(
-        sglang_argv(target, drafter, [*extra, *flags], port=port, stock=system != "qflash"),
+        sglang_argv(target, drafter, [*extra, *flags], port=port, stock=system != "qflash", prefix_cache=prefix_cache),
         plugin_env(plugins, {"SGLANG_SIMULATE_ACC_LEN": str(acc_len), **(env or {})}), log, f"http://127.0.0.1:{port}",
     ).start()
     try:
@@ -230,10 +232,10 @@ def system_server(system: str, log: Path, port: int, acc_len: float, env: dict |
 
 
 def _run_sglang(system: str, plan: list[dict], out: Path, port: int, acc_len: float, progress, flags: list[str],
-                profile_steps: int = 0) -> list[dict]:
+                profile_steps: int = 0, prefix_cache: bool = PREFIX_CACHE) -> list[dict]:
     """Time the plan on one server of `system`; then, with `profile_steps`, profile that many cycles per
     bucket on the same server (`qflash profile`'s tables, written to out/profiles)."""
-    with system_server(system, out / "logs" / f"{system}.log", port, acc_len, flags=flags) as server:
+    with system_server(system, out / "logs" / f"{system}.log", port, acc_len, flags=flags, prefix_cache=prefix_cache) as server:
         samples = []
         for req in plan:
             samples.append({"bucket": req["bucket"], "warmup": req["warmup"], **time_request(server.base_url, req["input_ids"])})
@@ -246,7 +248,7 @@ def _run_sglang(system: str, plan: list[dict], out: Path, port: int, acc_len: fl
 
 
 def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc_len: float,
-              flags: list[str] = (), port: int = 30010, profile_steps: int = 0) -> int:
+              flags: list[str] = (), port: int = 30010, profile_steps: int = 0, prefix_cache: bool = PREFIX_CACHE) -> int:
     """Every system in turn on the same requests; extra SGLang `flags` go to every SGLang system (for trials)."""
     out = Path(out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -256,6 +258,7 @@ def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc
         "command": "qflash bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
         "protocol": {"buckets": buckets, "output_len": OUTPUT_LEN, "timed": timed, "warmup": 1,
                      "acc_len": acc_len, "greedy": True, "ignore_eos": True},
+        "qflash_prefix_cache": prefix_cache,
     }
     samples, errors = [], {}
     with tqdm(total=len(systems) * len(plan), desc="qflash bench", unit="req") as progress:
@@ -265,7 +268,7 @@ def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc
                 if system == "baseline":
                     got = _run_baseline(plan, out, progress)
                 else:
-                    got = _run_sglang(system, plan, out, port, acc_len, progress, list(flags), profile_steps)
+                    got = _run_sglang(system, plan, out, port, acc_len, progress, list(flags), profile_steps, prefix_cache)
                 samples += [{"system": system, **s} for s in got]
             except (ServerDied, TimeoutError, RuntimeError, requests.RequestException) as exc:
                 errors[system] = str(exc)
@@ -320,3 +323,5 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--acc-len", type=float, default=ACCEPT_LEN, help="SGLANG_SIMULATE_ACC_LEN for speculative systems")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="after timing, profile this many cycles per bucket on each SGLang server (qflash profile)")
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=PREFIX_CACHE,
+                   help="qflash's prefix caching, as `qflash serve` has it (default: on); stock systems never")

@@ -51,7 +51,8 @@ def _quality(args: argparse.Namespace, extra: list[str]) -> int:
 def _bench(args: argparse.Namespace, extra: list[str]) -> int:
     from qflash.server.bench import run_bench
 
-    return run_bench(args.systems, args.out, args.buckets, args.timed, args.acc_len, extra, profile_steps=args.profile_steps)
+    return run_bench(args.systems, args.out, args.buckets, args.timed, args.acc_len, extra, profile_steps=args.profile_steps,
+                     prefix_cache=args.prefix_cache)
 
 
 def _profile(args: argparse.Namespace, extra: list[str]) -> int:

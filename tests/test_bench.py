@@ -22,6 +22,15 @@ def test_stock_systems_run_without_prefix_caching_as_the_protocol_does(dummy_dir
         assert ("extra_buffer" in argv) == (system == "qflash"), system
 
 
+def test_qflash_prefix_caching_in_the_bench_is_as_served_unless_turned_off():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    bench.add_bench_args(p)
+    assert p.parse_args(["--out", "x"]).prefix_cache is True  # what `qflash serve` runs
+    assert p.parse_args(["--out", "x", "--no-prefix-cache"]).prefix_cache is False
+
+
 def test_prompts_are_fresh_random_ids_in_range():
     a, b, c = bench.make_prompt(2048, 1), bench.make_prompt(2048, 2), bench.make_prompt(64, 1)
     assert len(a) == 2048 and len(c) == 64

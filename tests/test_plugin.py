@@ -110,7 +110,7 @@ def test_preset_server_arguments_pass_sglang_validation(dummy_dirs):
               "load_format", "context_length", "disable_radix_cache", "chunked_prefill_size",
               "cuda_graph_config.decode.bs", "cuda_graph_config.prefill.bs"]
     got = validated_server_args(sglang_argv(*dummy_dirs, [])[3:], fields)
-    assert got[:8] == ["DFLASH", 16, None, "Qwen3.5-4B", "dummy", 16384, True, 8192]
+    assert got[:8] == ["DFLASH", 16, None, "Qwen3.5-4B", "dummy", 16384, False, 8192]  # prefix caching on
     assert got[8:] == [list(range(1, 9)), prefill_token_buckets(16, 8192)]  # graphs/policy.py's shapes reach SGLang
 
 
