@@ -20,7 +20,8 @@ import orjson
 import requests
 from tqdm import tqdm
 
-from qflash.server.launcher import ServerDied, ServerProcess, dummy_model_dirs, freeze_gc, plugin_env, sglang_argv
+from qflash.server.launcher import (ServerDied, ServerProcess, dummy_model_dirs, freeze_gc, plugin_env, sglang_argv,
+                                    unwind_on_sigterm)
 from qflash.server.preset import PREFIX_CACHE
 
 OUTPUT_LEN = 256
@@ -220,8 +221,10 @@ def system_server(system: str, log: Path, port: int, acc_len: float, env: dict |
     server = ServerProcess(
         sglang_argv(target, drafter, [*extra, *flags], port=port, stock=system != "qflash", prefix_cache=prefix_cache),
         plugin_env(plugins, {"SGLANG_SIMULATE_ACC_LEN": str(acc_len), **(env or {})}), log, f"http://127.0.0.1:{port}",
-    ).start()
+    )
+    unwind_on_sigterm()  # a bench stopped by `timeout` stops its server too
     try:
+        server.start()
         took = server.wait_ready()
         if system == "qflash":
             freeze_gc(server.base_url)  # what `qflash serve` does once ready

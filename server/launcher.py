@@ -7,10 +7,12 @@ through its plugin (SGLANG_PLUGINS). `qflash bench` starts the stock systems wit
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -74,6 +76,11 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "ServerProcess":
+        # A server already answering on the port would pass wait_ready's /health check in this one's place.
+        url = urllib.parse.urlsplit(self.base_url)
+        with socket.socket() as probe:
+            if probe.connect_ex((url.hostname, url.port)) == 0:
+                raise ServerDied(f"{url.hostname}:{url.port} is already in use (another server?): stop it or pick another --port")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -119,6 +126,12 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
+def unwind_on_sigterm() -> None:
+    """SIGTERM (docker stop, kill, `timeout`) unwinds like Ctrl-C, so the `finally` that stops a started
+    server's process group runs: a server left behind holds the GPU and its port."""
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
 def cuda_available() -> bool:
     import torch
 
@@ -140,11 +153,11 @@ def serve(model_path: Path | None, draft_model_path: Path | None, extra: list[st
     if not cuda_available():
         print("qflash: no CUDA GPU is visible; qflash serves on an NVIDIA GPU (sm80 or newer)", file=sys.stderr)
         return 1
-    # SIGTERM (docker stop, kill) should stop SGLang's process group too: make it unwind like Ctrl-C.
-    signal.signal(signal.SIGTERM, _interrupt)
-    server = ServerProcess(argv, plugin_env("qflash"), log_path, f"http://{host}:{port}").start()
-    print(f"qflash: starting SGLang (log: {log_path})", flush=True)
+    unwind_on_sigterm()
+    server = ServerProcess(argv, plugin_env("qflash"), log_path, f"http://{host}:{port}")
     try:
+        server.start()
+        print(f"qflash: starting SGLang (log: {log_path})", flush=True)
         took = server.wait_ready()
         freeze_gc(server.base_url)
         print(f"qflash: ready in {took:.0f} s at {server.base_url} (OpenAI API: {server.base_url}/v1)", flush=True)

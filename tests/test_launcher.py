@@ -125,3 +125,51 @@ def test_freeze_gc_posts_to_sglangs_route():
     stub.server_close()
     assert seen == [("POST", "/freeze_gc")]
     assert any(getattr(r, "path", None) == "/freeze_gc" and "POST" in r.methods for r in app.routes)
+
+
+def test_a_port_already_serving_is_refused_before_anything_starts(tmp_path):
+    """Another server on the port would answer the new one's /health checks in its place."""
+    import socket
+
+    from qflash.server.launcher import ServerDied, ServerProcess
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        server = ServerProcess([sys.executable, "-c", "pass"], dict(os.environ), tmp_path / "log", f"http://127.0.0.1:{port}")
+        with pytest.raises(ServerDied, match=f"127.0.0.1:{port} is already in use"):
+            server.start()
+    assert server.proc is None
+
+
+STOPPED_BY_SIGTERM = """
+import os, sys, time
+from pathlib import Path
+from qflash.server.launcher import ServerProcess, unwind_on_sigterm
+unwind_on_sigterm()
+server = ServerProcess([sys.executable, "-c", "import time; time.sleep(120)"], dict(os.environ), Path(sys.argv[1]),
+                       "http://127.0.0.1:" + sys.argv[2]).start()
+print(server.proc.pid, flush=True)
+try:
+    time.sleep(120)
+finally:
+    server.stop()
+"""
+
+
+def test_sigterm_stops_the_started_server_too(tmp_path):
+    """What `qflash serve`, `qflash bench` and `qflash profile` do when `timeout` or `kill` stops them."""
+    import signal
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    parent = subprocess.Popen([sys.executable, "-c", STOPPED_BY_SIGTERM, str(tmp_path / "log"), str(port)],
+                              stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=60) != 0
+    with pytest.raises(ProcessLookupError):  # the server's process group is gone (reaped by stop())
+        os.kill(child, 0)
