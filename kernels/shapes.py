@@ -1,7 +1,8 @@
 """The GEMMs of Qwen3.5-4B and its DFlash drafter as SGLang runs them (after its weight fusions).
 
 (name, N, K): y[M, N] = x[M, K] @ w[N, K]^T. M is 16 per request in verify and draft (block 16),
-the prompt length in prefill. Tuning, tests and `qflash bench-kernels` all read this list.
+the prompt length in prefill. Tuning, tests and `qflash bench-kernels` all read this list. The drafter's
+qkv_proj is not here: it stays bf16 for SGLang's fused context-KV path (quant/method.py, DRAFTER_BF16).
 """
 
 TARGET = [
@@ -14,7 +15,6 @@ TARGET = [
     ("mlp.down_proj", 2560, 9216),
 ]
 DRAFTER = [
-    ("draft.qkv_proj", 6144, 2560),
     ("draft.o_proj", 2560, 4096),
     ("draft.gate_up_proj", 18432, 2560),
     ("draft.down_proj", 2560, 9216),

@@ -5,7 +5,8 @@
   SGLang's own W8A8 int8 method does, and runs `qflash::w8a8_gemm`; the untied int8 lm_head runs
   `qflash::w8a16_gemm` for logits (the DFlash draft pick uses its fused argmax, server/patches.py).
 - Drafter, a bf16 checkpoint (SGLang builds the config with no arguments for a draft model): linears load
-  bf16 and are quantized per channel once loaded, then run the same W8A8 kernel.
+  bf16 and are quantized per channel once loaded, then run the same W8A8 kernel; its `qkv_proj` stays bf16
+  (DRAFTER_BF16).
 Each GEMM reads its launch config from the table of its phase, which follows from the role and M.
 """
 
@@ -25,6 +26,12 @@ from qflash.kernels import w8a8_gemm, w8a16_argmax, w8a16_gemm  # noqa: F401  re
 from qflash.quant.quantize import LM_HEAD_KEY, quantize_per_channel
 
 NAME = "qflash_w8a8"
+# The drafter's fused QKV stays bf16: after each verify, DFLASH writes the accepted tokens' context K/V into
+# all 6 drafter layers through SGLang's fused materialisation (one stacked GEMM + one Triton kernel), which
+# takes bf16 qkv weights only. With an int8 qkv_proj it falls back to a per-layer eager loop (GEMM, norm,
+# rotary, KV write, x6): ~130 host-side ops per cycle, 4.2 ms of host time under the profiler, on the critical
+# path of a cycle whose GPU work is ~5 ms. Kept bf16, it costs ~94 MB more weight reads per draft (~22 us).
+DRAFTER_BF16 = ("qkv_proj",)
 DECODE_MAX_M = 128  # verify / draft blocks of up to 8 requests; larger M is a prefill
 
 
@@ -141,7 +148,11 @@ class QflashW8A8Config(QuantizationConfig):
         if isinstance(layer, LinearBase):
             if should_ignore_layer(prefix, ignore=self.ignore, fused_mapping=self.packed_modules_mapping):
                 return UnquantizedLinearMethod()
-            return W8A8LinearMethod("verify") if self.prequantized else OnlineW8A8LinearMethod()
+            if self.prequantized:
+                return W8A8LinearMethod("verify")
+            if prefix.rsplit(".", 1)[-1] in DRAFTER_BF16:
+                return UnquantizedLinearMethod()
+            return OnlineW8A8LinearMethod()
         return None
 
     def get_scaled_act_names(self) -> list[str]:

@@ -91,6 +91,25 @@ def check_drafter_linear_quantized_at_load():
     assert rel_err(y, reference(x, q, scale)) <= 2.0 ** -7 + 1e-6
 
 
+def check_drafter_qkv_stays_bf16_for_fused_kv_materialisation():
+    from sglang.srt.layers.linear import QKVParallelLinear
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+    from sglang.srt.speculative.dflash_utils import can_dflash_use_fused_qkv_proj
+
+    from qflash.quant.method import W8A8LinearMethod
+
+    def qkv(cfg, prefix):
+        with torch.device(DEVICE):
+            return QKVParallelLinear(64, 16, 4, 2, bias=False, quant_config=cfg, prefix=prefix, params_dtype=torch.bfloat16)
+
+    drafter = qkv(QflashW8A8Config(), "qkv_proj")  # SGLang's DFlash layers name it so
+    assert type(drafter.quant_method) is UnquantizedLinearMethod and drafter.weight.dtype == torch.bfloat16
+    assert can_dflash_use_fused_qkv_proj(drafter) == (True, "")  # SGLang's own check for its fused path
+    target = qkv(QflashW8A8Config.from_config(quantized_config(TARGET_CONFIG)["quantization_config"]),
+                 "model.layers.3.self_attn.qkv_proj")
+    assert type(target.quant_method) is W8A8LinearMethod and target.weight.dtype == torch.int8
+
+
 def check_int8_lm_head():
     from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
 
@@ -113,7 +132,8 @@ def check_int8_lm_head():
 
 
 @pytest.mark.parametrize("check", ["check_checkpoint_linear", "check_ignored_linear_stays_bf16",
-                                   "check_drafter_linear_quantized_at_load", "check_int8_lm_head"])
+                                   "check_drafter_linear_quantized_at_load",
+                                   "check_drafter_qkv_stays_bf16_for_fused_kv_materialisation", "check_int8_lm_head"])
 def test_sglang_layers_run_on_qflash_kernels(check):
     code = (f"import sys\nsys.path.insert(0, {str(REPO / 'tests')!r})\nimport test_quant_method as t\n"
             f"t.setup_one_process()\nt.{check}()\nprint('passed')")
