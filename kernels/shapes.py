@@ -2,7 +2,8 @@
 
 (name, N, K): y[M, N] = x[M, K] @ w[N, K]^T. M is 16 per request in verify and draft (block 16),
 the prompt length in prefill. Tuning, tests and `qflash bench-kernels` all read this list. The drafter's
-qkv_proj is not here: it stays bf16 for SGLang's fused context-KV path (quant/method.py, DRAFTER_BF16).
+qkv_proj is not here (it stays bf16 for SGLang's fused context-KV path: quant/method.py, DRAFTER_BF16), nor
+its fc (a plain `nn.Linear` in SGLang's DFlash model, which no quantization method reaches).
 """
 
 TARGET = [
@@ -18,7 +19,6 @@ DRAFTER = [
     ("draft.o_proj", 2560, 4096),
     ("draft.gate_up_proj", 18432, 2560),
     ("draft.down_proj", 2560, 9216),
-    ("draft.fc", 2560, 20480),
 ]
 LM_HEAD = ("lm_head", 248320, 2560)
 
