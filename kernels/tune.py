@@ -24,7 +24,7 @@ def w8a8_candidates(m: int) -> list[dict]:
                 for bm, bn, bk, w, s in tiles]
     bm = min(max(m, 16), 64)
     return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, QUANT_X=qx, SPLIT_K=sk, num_warps=4, num_stages=s)
-            for bn in (16, 32, 64) for bk in (256, 512) for s in (3, 4) for qx, sk in ((True, 1), (False, 1), (False, 2), (False, 4))]
+            for bn in (16, 32, 64) for bk in (256, 512) for s in (3, 4) for qx, sk in ((True, 1), (False, 1), (False, 2), (False, 4), (False, 8))]
 
 
 def w8a16_candidates(m: int, group: bool = True) -> list[dict]:

@@ -299,3 +299,33 @@ def apply_dflash_radix_cache_fixes() -> None:
         "sglang.srt.speculative.dflash_info.DFlashVerifyInput.prepare_for_verify",
         _refresh_mamba_track_before_verify, HookType.BEFORE,
     )
+
+
+def _fold_gdn_window_on_commit(original, self, **kwargs):
+    # SGLang's ReplaySSM spec-verify (`--enable-linear-replayssm-spec`, preset.GDN_VERIFY_FLAGS) has the GDN
+    # verify keep each draft step's raw inputs instead of the full recurrent state after every step (16
+    # states, 32 MB written per layer per cycle), and replays the accepted steps into the state on commit,
+    # bit for bit what the snapshots held. EAGLE and NGRAM commit through spec_utils, which folds; 0.5.17's
+    # DFLASH commits through this method, which folds only for KDA models and for GDN would scatter the
+    # snapshots the flag no longer allocates. For GDN this makes the fold spec_utils makes, same arguments.
+    from sglang.kernels.ops.attention.fla.gdn_replayssm_spec_fold import commit_gdn_replayssm_fold_after_verify
+
+    linear = self.linear_attn_backend
+    pool = linear.req_to_token_pool.mamba_pool
+    if not getattr(pool, "replayssm_spec_fold", False) or pool.replayssm_is_kda:
+        return original(self, **kwargs)
+    last = kwargs["last_correct_step_indices"]
+    commit_gdn_replayssm_fold_after_verify(
+        spec_state=linear.req_to_token_pool.get_speculative_mamba2_params_all_layers(),
+        state_batch_indices=linear.forward_metadata.mamba_cache_indices[: last.shape[0]],
+        accept_lens=last + 1, last_correct_step_indices=last,
+        mamba_track_indices=kwargs["mamba_track_indices"], mamba_steps_to_track=kwargs["mamba_steps_to_track"],
+    )
+
+
+def apply_gdn_fold_commit() -> None:
+    check_version()
+    HookRegistry.register(
+        "sglang.srt.layers.attention.hybrid_linear_attn_backend.HybridLinearAttnBackend.update_mamba_state_after_mtp_verify",
+        _fold_gdn_window_on_commit, HookType.AROUND,
+    )

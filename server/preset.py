@@ -153,9 +153,15 @@ PREFIX_CACHE_FLAGS = {True: ["--mamba-radix-cache-strategy", "extra_buffer"], Fa
 # the bf16 DFlash drafter quantized at load by the same method.
 QFLASH_W8A8_FLAGS = ["--quantization", "qflash_w8a8", "--speculative-draft-model-quantization", "qflash_w8a8"]
 
+# The Gated-DeltaNet verify keeps each draft step's raw inputs and the commit replays the accepted ones into
+# the state (SGLang's ReplaySSM spec-verify; bit-identical to the 16 full-state snapshots per layer it
+# replaces, 32 MB written per layer per cycle). DFLASH's commit reaches the replay through
+# patches.apply_gdn_fold_commit.
+GDN_VERIFY_FLAGS = ["--enable-linear-replayssm-spec"]
+
 # What qflash adds to SGLang's serving beyond the quantization method: CUDA graphs for every batch size
-# the server admits and piecewise prefill graphs on block multiples (graphs/policy.py).
-QFLASH_SERVING_FLAGS = graph_flags(BLOCK_SIZE, MAX_RUNNING_REQUESTS, CHUNKED_PREFILL_SIZE)
+# the server admits and piecewise prefill graphs on block multiples (graphs/policy.py), and the GDN verify above.
+QFLASH_SERVING_FLAGS = graph_flags(BLOCK_SIZE, MAX_RUNNING_REQUESTS, CHUNKED_PREFILL_SIZE) + GDN_VERIFY_FLAGS
 
 HOST = "127.0.0.1"
 PORT = 30000

@@ -72,6 +72,7 @@ def speculative_outputs(checkpoint, tmp_path_factory) -> list[dict]:
         server_log = (Path(os.environ.get("QFLASH_CACHE", "~/.cache/qflash")).expanduser() / "logs" / f"server-{PORT}.log").read_text()
         assert "fused W8A16 argmax over the int8 lm_head" in server_log  # the draft pick runs on qflash's kernel
         assert "DFLASH fused KV materialization enabled" in server_log  # the drafter's bf16 qkv_proj allows it
+        assert "GDN ReplaySSM ring buffers allocated (record_len=16, fold=True)" in server_log  # the GDN verify's fold
         from openai import OpenAI
 
         chat = OpenAI(base_url=BASE + "/v1", api_key="none").chat.completions.create(
