@@ -80,6 +80,6 @@ DEFAULT = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num
 CONFIGS = {
     ('lm_head', 16, 248320, 2560): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=4),
     ('lm_head', 32, 248320, 2560): dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
-    ('lm_head', 64, 248320, 2560): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
-    ('lm_head', 128, 248320, 2560): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+    ('lm_head', 64, 248320, 2560): dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=8, num_stages=3),
+    ('lm_head', 128, 248320, 2560): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=8, num_stages=3),
 }

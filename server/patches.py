@@ -323,9 +323,34 @@ def _fold_gdn_window_on_commit(original, self, **kwargs):
     )
 
 
+class _ArgsWithoutAlgorithm:
+    """Server arguments as they read with no speculative algorithm named; everything else as given."""
+
+    def __init__(self, args):
+        self._args = args
+
+    def __getattr__(self, name):
+        return None if name == "speculative_algorithm" else getattr(self._args, name)
+
+
+def _allow_gdn_fold_pool(original, self, **kwargs):
+    # 0.5.17's pool builder refuses the ReplaySSM spec-verify under DFLASH for a non-KDA model because its
+    # DFLASH commit cannot fold GDN (it would scatter the snapshots the flag does not allocate); the hook
+    # above does fold. That guard is the only reader of the algorithm's name in the builder, so the builder
+    # runs with the name hidden from it.
+    args = self.server_args
+    self.server_args = _ArgsWithoutAlgorithm(args)
+    try:
+        return original(self, **kwargs)
+    finally:
+        self.server_args = args
+
+
 def apply_gdn_fold_commit() -> None:
     check_version()
     HookRegistry.register(
         "sglang.srt.layers.attention.hybrid_linear_attn_backend.HybridLinearAttnBackend.update_mamba_state_after_mtp_verify",
         _fold_gdn_window_on_commit, HookType.AROUND,
     )
+    HookRegistry.register("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_hybrid_req_pool",
+                          _allow_gdn_fold_pool, HookType.AROUND)
