@@ -50,6 +50,7 @@ if [ -n "${BENCH:-}" ]; then
   pkill -f sglang.launch_server
   cp /tmp/bench/results.json /tmp/bench/results.md /tmp/bench/run.json /tmp/bench/latency.png "$OUT/" 2>/dev/null
   cp /tmp/bench/profiles/*.md /tmp/bench/profiles/*.json "$OUT/" 2>/dev/null
+  for d in /tmp/bench/profiles/traces/*/; do cp "$d"*.trace.json.gz "$OUT/$(basename "$d").trace.json.gz" 2>/dev/null; done
   grep -h -A3 "^Per step" /tmp/bench/profiles/*.md 2>/dev/null | head -40
   grep -h "qflash graphs\|qflash:" /tmp/bench/logs/*.log 2>/dev/null | sort | uniq -c | head -30
   tar czf "$OUT/bench-logs.tgz" -C /tmp/bench logs 2>/dev/null
