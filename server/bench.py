@@ -235,19 +235,19 @@ def system_server(system: str, log: Path, port: int, acc_len: float, env: dict |
 
 
 def _run_sglang(system: str, plan: list[dict], out: Path, port: int, acc_len: float, progress, flags: list[str],
-                profile_steps: int = 0, prefix_cache: bool = PREFIX_CACHE) -> list[dict]:
-    """Time the plan on one server of `system`; then, with `profile_steps`, profile that many cycles per
-    bucket on the same server (`qflash profile`'s tables, written to out/profiles)."""
+                keep, profile_steps: int = 0, prefix_cache: bool = PREFIX_CACHE) -> None:
+    """Time the plan on one server of `system` and `keep` the samples; then, with `profile_steps`, profile
+    that many cycles per bucket on the same server (`qflash profile`'s tables, written to out/profiles)."""
     with system_server(system, out / "logs" / f"{system}.log", port, acc_len, flags=flags, prefix_cache=prefix_cache) as server:
         samples = []
         for req in plan:
             samples.append({"bucket": req["bucket"], "warmup": req["warmup"], **time_request(server.base_url, req["input_ids"])})
             progress.update(1)
+        keep(samples)  # before profiling: a bench stopped while it profiles keeps its timed rows
         if profile_steps:
             from qflash.server.profile import profile_buckets
 
             profile_buckets(server, system, out / "profiles", sorted({r["bucket"] for r in plan}), profile_steps, flags)
-        return samples
 
 
 def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc_len: float,
@@ -264,19 +264,24 @@ def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc
         "qflash_prefix_cache": prefix_cache,
     }
     samples, errors = [], {}
+
+    def keep(system: str, got: list[dict]) -> None:
+        samples.extend({"system": system, **s} for s in got)
+        write_results(out, meta, samples, errors)  # as each system's rows come, so a cut-short run keeps them
+
     with tqdm(total=len(systems) * len(plan), desc="qflash bench", unit="req") as progress:
         for system in systems:
             progress.set_postfix_str(system)
             try:
                 if system == "baseline":
-                    got = _run_baseline(plan, out, progress)
+                    keep(system, _run_baseline(plan, out, progress))
                 else:
-                    got = _run_sglang(system, plan, out, port, acc_len, progress, list(flags), profile_steps, prefix_cache)
-                samples += [{"system": system, **s} for s in got]
+                    _run_sglang(system, plan, out, port, acc_len, progress, list(flags), lambda got: keep(system, got),
+                                profile_steps, prefix_cache)
             except (ServerDied, TimeoutError, RuntimeError, requests.RequestException) as exc:
                 errors[system] = str(exc)
                 tqdm.write(f"{system}: FAILED: {exc}")
-            table = write_results(out, meta, samples, errors)  # after each system, so a cut-short run keeps its rows
+            table = write_results(out, meta, samples, errors)
     print(table)
     return 1 if errors else 0
 

@@ -1,7 +1,9 @@
 """`qflash bench`: requests, stream timing, statistics, table and chart, CLI errors (no GPU needed)."""
 
+import contextlib
 import json
 import statistics
+from types import SimpleNamespace
 
 import orjson
 import pytest
@@ -143,3 +145,25 @@ def test_committed_h200_run_re_renders_from_its_samples():
     assert all(r["valid"] for r in rows) and {r["system"] for r in rows} == set(bench.SYSTEMS)
     table = bench.render_table(rows, run["errors"])
     assert "| qflash | 270.9 | 384.6 | 752.7 | 27.3x | 1.02x |" in table
+
+
+def test_a_bench_stopped_while_it_profiles_keeps_its_timed_rows(tmp_path, monkeypatch):
+    # A GPU run's `timeout` stopped a bench while it profiled qflash, after its timed requests: their rows
+    # were lost. The servers and requests are stand-ins here; what is checked is what the bench writes.
+    @contextlib.contextmanager
+    def server(system, *args, **kwargs):
+        yield SimpleNamespace(base_url=f"http://{system}")
+
+    def stopped(*args):
+        raise KeyboardInterrupt  # what the bench makes of SIGTERM (launcher.unwind_on_sigterm)
+
+    sample = {"latency_ms": 300.0, "ttft_ms": 50.0, "output_tokens": 256, "accept_len": 6.5, "verify_steps": 40}
+    monkeypatch.setattr(bench, "system_server", server)
+    monkeypatch.setattr(bench, "time_request", lambda url, ids: dict(sample))
+    monkeypatch.setattr("qflash.server.profile.profile_buckets", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_bench(["sglang-bf16", "qflash"], tmp_path, [64], timed=2, acc_len=6.5, profile_steps=8)
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert [(s["system"], s["warmup"]) for s in run["samples"]] == [("sglang-bf16", True), ("sglang-bf16", False),
+                                                                    ("sglang-bf16", False)]
+    assert "| sglang-bf16 | 64 | 300.0 |" in (tmp_path / "results.md").read_text()
