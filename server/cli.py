@@ -52,13 +52,14 @@ def _bench(args: argparse.Namespace, extra: list[str]) -> int:
     from qflash.server.bench import run_bench
 
     return run_bench(args.systems, args.out, args.buckets, args.timed, args.acc_len, extra, profile_steps=args.profile_steps,
-                     prefix_cache=args.prefix_cache)
+                     prefix_cache=args.prefix_cache, profile_with_stack=args.profile_with_stack)
 
 
 def _profile(args: argparse.Namespace, extra: list[str]) -> int:
     from qflash.server.profile import run_profile
 
-    return run_profile(args.system, args.out, args.prompt_len, args.steps, args.acc_len, extra, prefill=args.prefill)
+    return run_profile(args.system, args.out, args.prompt_len, args.steps, args.acc_len, extra, prefill=args.prefill,
+                       with_stack=args.with_stack, prefix_cache=args.prefix_cache)
 
 
 def _bench_kernels(args: argparse.Namespace, extra: list[str]) -> int:
@@ -129,6 +130,9 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--steps", type=int, default=10, help="cycles to record (default 10)")
     f.add_argument("--prefill", action="store_true", help="record the request's first steps (its prefill) instead")
     f.add_argument("--acc-len", type=float, default=ACCEPT_LEN, help="SGLANG_SIMULATE_ACC_LEN (default 6.5)")
+    f.add_argument("--with-stack", action="store_true", help="also record Python call stacks (host time, inflated)")
+    f.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=PREFIX_CACHE,
+                   help="qflash's prefix caching, as `qflash serve` has it (default: on)")
     f.add_argument("--out", type=Path, required=True, help="folder for the trace, profile.md and profile.json")
     f.set_defaults(func=_profile, passthrough=True)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import requests
 
 from qflash.server.bench import OUTPUT_LEN, make_prompt, system_server
+from qflash.server.preset import PREFIX_CACHE
 
 # (family, kernel-name pattern): the first match wins; names are Triton / CUDA kernel symbols.
 FAMILIES = [
@@ -39,6 +40,9 @@ FAMILIES = [
 
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # torch profiler chrome-trace categories of GPU work
+# Host spans summed per step: the scheduler's own annotations (one loop iteration is recv, get-next-batch, run,
+# process-result), the model runner's forward steps inside run_batch, and the CUDA-graph launch calls.
+HOST_SPANS = r"^scheduler\.|^step\[|^copy_result_to_cpu$|^cudaGraphLaunch$"
 SKIP_CYCLES = 4  # streamed chunks (one per cycle) before profiling starts: prefill and first cycles excluded
 
 
@@ -87,12 +91,18 @@ def summarize(trace: dict, steps: int) -> dict:
         end = e["ts"] + e["dur"]
         busy_us += max(0.0, end - max(e["ts"], reach))
         reach = max(reach, end)
+    host = {}
+    for e in events:
+        if e.get("cat") in ("user_annotation", "cuda_runtime") and "dur" in e and re.search(HOST_SPANS, e.get("name", "")):
+            name = re.sub(r" bs=\d+", "", e["name"])
+            host[name] = host.get(name, 0.0) + e["dur"]
     ms = 1e-3 / steps
     return {
         "steps": steps, "window_ms": window_us * ms, "gpu_busy_ms": busy_us * ms, "gpu_idle_ms": (window_us - busy_us) * ms,
         "families": {f: per_family[f] * ms for f in sorted(per_family, key=per_family.get, reverse=True)},
         "launches": {k: v * ms for k, v in sorted(launch_groups(events, kernels).items(), key=lambda kv: -kv[1])},
         "top_other": [(n, us * ms) for n, us in sorted(other.items(), key=lambda kv: -kv[1])[:10]],
+        "host": {k: v * ms for k, v in sorted(host.items(), key=lambda kv: -kv[1])},
     }
 
 
@@ -105,6 +115,9 @@ def render(summary: dict, title: str) -> str:
     lines.append(f"| GPU idle | {summary['gpu_idle_ms']:.3f} | {summary['gpu_idle_ms'] / window:.0%} |")
     lines += ["", "| launched as | ms per step | share of window |", "| --- | ---: | ---: |"]
     lines += [f"| {k} | {v:.3f} | {v / window:.0%} |" for k, v in summary["launches"].items()]
+    if summary["host"]:
+        lines += ["", "| host span (CPU, inflated by the profiler) | ms per step |", "| --- | ---: |"]
+        lines += [f"| `{k}` | {v:.3f} |" for k, v in summary["host"].items()]
     if summary["top_other"]:
         lines += ["", "Largest kernels outside the families: " + ", ".join(f"`{n}` {v:.3f} ms" for n, v in summary["top_other"])]
     return "\n".join(lines) + "\n"
@@ -121,12 +134,14 @@ def _wait_for_trace(folder: Path, timeout_s: float = 300) -> Path:
     raise TimeoutError(f"no profiler trace in {folder} after {timeout_s:.0f} s")
 
 
-def _profile_one(server, system: str, traces: Path, prompt_len: int, steps: int, prefill: bool = False) -> Path:
+def _profile_one(server, system: str, traces: Path, prompt_len: int, steps: int, prefill: bool = False,
+                 with_stack: bool = False) -> Path:
     """Warm up at this length, then record `steps` forward steps of a second request: decode cycles from a
-    few cycles in, or with `prefill` its first steps (the prefill and what follows); returns the trace file."""
+    few cycles in, or with `prefill` its first steps (the prefill and what follows); `with_stack` adds the Python
+    call stacks (where the host time goes, at a further cost in host time); returns the trace file."""
     sampling = {"max_new_tokens": OUTPUT_LEN, "temperature": 0.0, "ignore_eos": True}
     profile = {"output_dir": str(traces), "num_steps": steps, "activities": ["CPU", "GPU"],
-               "profile_prefix": system, "with_stack": False, "record_shapes": False}
+               "profile_prefix": system, "with_stack": with_stack, "record_shapes": False}
     traces.mkdir(parents=True, exist_ok=True)
     for index in (0, 1):  # a warm-up request, then the profiled one
         if index and prefill:
@@ -142,15 +157,15 @@ def _profile_one(server, system: str, traces: Path, prompt_len: int, steps: int,
 
 
 def profile_buckets(server, system: str, out: Path, prompt_lens: list[int], steps: int, flags: list[str] = (),
-                    prefill: bool = False) -> dict:
+                    prefill: bool = False, with_stack: bool = False) -> dict:
     """Profile `steps` cycles (or, with `prefill`, a request's first steps) at each prompt length on a
     running server; one table per length in `out`."""
     out, kind = Path(out).resolve(), "-prefill" if prefill else ""
-    found = [(n, _profile_one(server, system, out / "traces" / f"{system}-{n}{kind}", n, steps, prefill)) for n in prompt_lens]
+    found = [(n, _profile_one(server, system, out / "traces" / f"{system}-{n}{kind}", n, steps, prefill, with_stack)) for n in prompt_lens]
     report = {}
     for prompt_len, trace_path in found:
         summary = summarize(json.loads(gzip.open(trace_path).read()), steps)
-        extra = (" --prefill" if prefill else "") + (f" {' '.join(flags)}" if flags else "")
+        extra = (" --prefill" if prefill else "") + (" --with-stack" if with_stack else "") + (f" {' '.join(flags)}" if flags else "")
         table = render(summary, f"`qflash profile --system {system} --prompt-len {prompt_len} --steps {steps}{extra}`: {trace_path.name}")
         (out / f"{system}-{prompt_len}{kind}-profile.md").write_text(table)
         report[prompt_len] = summary
@@ -160,9 +175,10 @@ def profile_buckets(server, system: str, out: Path, prompt_lens: list[int], step
 
 
 def run_profile(system: str, out: Path, prompt_lens: list[int], steps: int, acc_len: float,
-                flags: list[str] = (), port: int = 30030, prefill: bool = False) -> int:
+                flags: list[str] = (), port: int = 30030, prefill: bool = False, with_stack: bool = False,
+                prefix_cache: bool = PREFIX_CACHE) -> int:
     """Profile one server of `system` (plus extra SGLang `flags`) at each prompt length; one table per length."""
     out = Path(out).resolve()
-    with system_server(system, out / f"{system}.log", port, acc_len, flags=list(flags)) as server:
-        profile_buckets(server, system, out, prompt_lens, steps, flags, prefill)
+    with system_server(system, out / f"{system}.log", port, acc_len, flags=list(flags), prefix_cache=prefix_cache) as server:
+        profile_buckets(server, system, out, prompt_lens, steps, flags, prefill, with_stack)
     return 0

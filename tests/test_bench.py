@@ -31,6 +31,7 @@ def test_qflash_prefix_caching_in_the_bench_is_as_served_unless_turned_off():
     bench.add_bench_args(p)
     assert p.parse_args(["--out", "x"]).prefix_cache is True  # what `qflash serve` runs
     assert p.parse_args(["--out", "x", "--no-prefix-cache"]).prefix_cache is False
+    assert p.parse_args(["--out", "x", "--profile-with-stack"]).profile_with_stack is True
 
 
 def test_prompts_are_fresh_random_ids_in_range():
@@ -154,7 +155,7 @@ def test_a_bench_stopped_while_it_profiles_keeps_its_timed_rows(tmp_path, monkey
     def server(system, *args, **kwargs):
         yield SimpleNamespace(base_url=f"http://{system}")
 
-    def stopped(*args):
+    def stopped(*args, **kwargs):
         raise KeyboardInterrupt  # what the bench makes of SIGTERM (launcher.unwind_on_sigterm)
 
     sample = {"latency_ms": 300.0, "ttft_ms": 50.0, "output_tokens": 256, "accept_len": 6.5, "verify_steps": 40}

@@ -62,6 +62,23 @@ def test_kernels_are_grouped_by_the_graph_replay_that_launched_them():
     assert launch_groups(events + kernels, kernels) == {"draft graph": 50, "verify graph": 130, "eager kernels": 5, "other graph": 7}
 
 
+def test_host_spans_are_summed_per_step():
+    def span(name, dur, cat="user_annotation"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": 0, "dur": dur}
+
+    trace = {"traceEvents": [
+        kernel("_w8a8_gemm_kernel", 0, 10),
+        span("scheduler.run_batch", 6000), span("scheduler.run_batch", 5000),
+        span("step[TARGET_VERIFY bs=1]", 1000), span("step[TARGET_VERIFY bs=3]", 800),  # batch sizes summed together
+        span("cudaGraphLaunch", 300, cat="cuda_runtime"), span("cudaLaunchKernel", 5, cat="cuda_runtime"),
+        span("aten::mm", 70, cat="cpu_op"),  # ops are not host spans
+    ]}
+    s = summarize(trace, steps=2)
+    assert s["host"] == {"scheduler.run_batch": pytest.approx(5.5), "step[TARGET_VERIFY]": pytest.approx(0.9),
+                         "cudaGraphLaunch": pytest.approx(0.15)}
+    assert "| `scheduler.run_batch` | 5.500 |" in render(s, "title")
+
+
 def test_a_trace_without_gpu_events_is_refused():
     with pytest.raises(ValueError, match="no GPU kernel events"):
         summarize({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}]}, steps=1)
@@ -72,6 +89,9 @@ def test_profile_command_line():
     assert (args.system, args.prompt_len, args.steps, args.acc_len) == ("qflash", [64, 8192], 10, 6.5)
     assert extra == ["--attention-backend", "flashinfer"] and args.passthrough and not args.prefill
     assert parser().parse_args(["profile", "--out", "/tmp/p", "--prefill", "--steps", "2"]).prefill
+    assert not args.with_stack and args.prefix_cache  # as served
+    args = parser().parse_args(["profile", "--out", "/tmp/p", "--with-stack", "--no-prefix-cache"])
+    assert args.with_stack and not args.prefix_cache
 
 
 @pytest.mark.parametrize("prefill", [False, True], ids=["cycles", "prefill"])
@@ -98,7 +118,7 @@ def test_the_profiler_starts_before_the_request_or_a_few_cycles_in(tmp_path, mon
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             self.send_response(200)
             if self.path == "/start_profile":
-                started.append((len(sent) - 1, sent[-1] if sent else None))
+                started.append((len(sent) - 1, sent[-1] if sent else None, body["with_stack"]))
                 with gzip.open(f"{body['output_dir']}/{body['profile_prefix']}-0.trace.json.gz", "wt") as f:
                     json.dump({"traceEvents": []}, f)
                 self.send_header("Content-Length", "0")
@@ -122,11 +142,12 @@ def test_the_profiler_starts_before_the_request_or_a_few_cycles_in(tmp_path, mon
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         trace = profile._profile_one(SimpleNamespace(base_url=f"http://127.0.0.1:{httpd.server_address[1]}"),
-                                     "qflash", tmp_path, 64, 2, prefill)
+                                     "qflash", tmp_path, 64, 2, prefill, with_stack=prefill)
     finally:
         httpd.shutdown()
     assert trace.name == "qflash-0.trace.json.gz" and len(started) == 1 and len(sent) == 2
-    request, chunks = started[0]
+    request, chunks, with_stack = started[0]
+    assert with_stack is prefill  # passed on to SGLang's profiler
     if prefill:
         assert (request, chunks) == (0, 8)  # after the warm-up, before the profiled request
     else:
