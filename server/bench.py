@@ -235,7 +235,8 @@ def system_server(system: str, log: Path, port: int, acc_len: float, env: dict |
 
 
 def _run_sglang(system: str, plan: list[dict], out: Path, port: int, acc_len: float, progress, flags: list[str],
-                keep, profile_steps: int = 0, prefix_cache: bool = PREFIX_CACHE, profile_with_stack: bool = False) -> None:
+                keep, profile_steps: int = 0, prefix_cache: bool = PREFIX_CACHE, profile_with_stack: bool = False,
+                profile_prefill: bool = False) -> None:
     """Time the plan on one server of `system` and `keep` the samples; then, with `profile_steps`, profile
     that many cycles per bucket on the same server (`qflash profile`'s tables, written to out/profiles)."""
     with system_server(system, out / "logs" / f"{system}.log", port, acc_len, flags=flags, prefix_cache=prefix_cache) as server:
@@ -248,12 +249,12 @@ def _run_sglang(system: str, plan: list[dict], out: Path, port: int, acc_len: fl
             from qflash.server.profile import profile_buckets
 
             profile_buckets(server, system, out / "profiles", sorted({r["bucket"] for r in plan}), profile_steps, flags,
-                            with_stack=profile_with_stack)
+                            prefill=profile_prefill, with_stack=profile_with_stack)
 
 
 def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc_len: float,
               flags: list[str] = (), port: int = 30010, profile_steps: int = 0, prefix_cache: bool = PREFIX_CACHE,
-              profile_with_stack: bool = False) -> int:
+              profile_with_stack: bool = False, profile_prefill: bool = False) -> int:
     """Every system in turn on the same requests; extra SGLang `flags` go to every SGLang system (for trials)."""
     out = Path(out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -279,7 +280,7 @@ def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc
                     keep(system, _run_baseline(plan, out, progress))
                 else:
                     _run_sglang(system, plan, out, port, acc_len, progress, list(flags), lambda got: keep(system, got),
-                                profile_steps, prefix_cache, profile_with_stack)
+                                profile_steps, prefix_cache, profile_with_stack, profile_prefill)
             except (ServerDied, TimeoutError, RuntimeError, requests.RequestException) as exc:
                 errors[system] = str(exc)
                 tqdm.write(f"{system}: FAILED: {exc}")
@@ -333,6 +334,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--acc-len", type=float, default=ACCEPT_LEN, help="SGLANG_SIMULATE_ACC_LEN for speculative systems")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="after timing, profile this many cycles per bucket on each SGLang server (qflash profile)")
+    p.add_argument("--profile-prefill", action="store_true",
+                   help="the profiles record each bucket's prefill and first cycles instead (time to first token)")
     p.add_argument("--profile-with-stack", action="store_true", help="the profiles also record Python call stacks")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=PREFIX_CACHE,
                    help="qflash's prefix caching, as `qflash serve` has it (default: on); stock systems never")

@@ -52,7 +52,8 @@ def _bench(args: argparse.Namespace, extra: list[str]) -> int:
     from qflash.server.bench import run_bench
 
     return run_bench(args.systems, args.out, args.buckets, args.timed, args.acc_len, extra, profile_steps=args.profile_steps,
-                     prefix_cache=args.prefix_cache, profile_with_stack=args.profile_with_stack)
+                     prefix_cache=args.prefix_cache, profile_with_stack=args.profile_with_stack,
+                     profile_prefill=args.profile_prefill)
 
 
 def _profile(args: argparse.Namespace, extra: list[str]) -> int:

@@ -32,6 +32,7 @@ def test_qflash_prefix_caching_in_the_bench_is_as_served_unless_turned_off():
     assert p.parse_args(["--out", "x"]).prefix_cache is True  # what `qflash serve` runs
     assert p.parse_args(["--out", "x", "--no-prefix-cache"]).prefix_cache is False
     assert p.parse_args(["--out", "x", "--profile-with-stack"]).profile_with_stack is True
+    assert p.parse_args(["--out", "x", "--profile-prefill"]).profile_prefill is True
 
 
 def test_prompts_are_fresh_random_ids_in_range():
