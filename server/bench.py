@@ -8,12 +8,14 @@ before the next starts. Protocol: shared/reference/benchmark-protocol.md.
 import argparse
 import contextlib
 import datetime
+import os
 import random
 import shlex
 import statistics
 import subprocess
 import sys
 import time
+import timeit
 from pathlib import Path
 
 import orjson
@@ -194,6 +196,19 @@ def _gpu_name() -> str:
         return "unknown"
 
 
+HOST_PROBE = "sorted(str(i) for i in range(100_000))"  # pure Python, as a scheduler's per-cycle bookkeeping is
+
+
+def host_info() -> dict:
+    """The run's CPU and how fast it runs Python (best of 5 probes). The lent GPU machines differ in host speed,
+    and qflash's decoding cycle is bound by the host on a slow one, so runs on two machines compare only with this."""
+    cpuinfo = Path("/proc/cpuinfo")
+    models = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+              if line.startswith("model name")]
+    probe_ms = min(timeit.repeat(HOST_PROBE, number=1, repeat=5)) * 1e3
+    return {"cpu": models[0] if models else "unknown", "cores": os.cpu_count(), "python_probe_ms": round(probe_ms, 2)}
+
+
 def _run_baseline(plan: list[dict], out: Path, progress) -> list[dict]:
     requests_file = out / "baseline-requests.json"
     requests_file.write_bytes(orjson.dumps(plan))
@@ -260,7 +275,7 @@ def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc
     (out / "logs").mkdir(parents=True, exist_ok=True)
     plan = request_plan(buckets, timed)
     meta = {
-        "date": datetime.date.today().isoformat(), "machine": _gpu_name(), "systems": systems,
+        "date": datetime.date.today().isoformat(), "machine": _gpu_name(), "host": host_info(), "systems": systems,
         "command": "qflash bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
         "protocol": {"buckets": buckets, "output_len": OUTPUT_LEN, "timed": timed, "warmup": 1,
                      "acc_len": acc_len, "greedy": True, "ignore_eos": True},
@@ -294,7 +309,9 @@ def write_results(out: Path, meta: dict, samples: list[dict], errors: dict[str, 
     rows = summarize(samples)
     (out / "results.json").write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2))
     (out / "run.json").write_bytes(orjson.dumps({**meta, "errors": errors, "samples": samples}, option=orjson.OPT_INDENT_2))
-    table = f"{meta['date']}, {meta['machine']}: `{meta['command']}`\n\n" + render_table(rows, errors)
+    host = meta.get("host")
+    on = f" (host: {host['cpu']}, {host['cores']} cores, Python probe {host['python_probe_ms']} ms)" if host else ""
+    table = f"{meta['date']}, {meta['machine']}{on}: `{meta['command']}`\n\n" + render_table(rows, errors)
     (out / "results.md").write_text(table)
     if rows:
         render_chart(rows, out / "latency.png")

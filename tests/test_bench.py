@@ -169,3 +169,15 @@ def test_a_bench_stopped_while_it_profiles_keeps_its_timed_rows(tmp_path, monkey
     assert [(s["system"], s["warmup"]) for s in run["samples"]] == [("sglang-bf16", True), ("sglang-bf16", False),
                                                                     ("sglang-bf16", False)]
     assert "| sglang-bf16 | 64 | 300.0 |" in (tmp_path / "results.md").read_text()
+    host = run["host"]  # the host's speed goes with every run (the lent machines differ)
+    assert host["python_probe_ms"] > 0 and host["cores"] >= 1
+    assert f"(host: {host['cpu']}, {host['cores']} cores, Python probe {host['python_probe_ms']} ms)" in (tmp_path / "results.md").read_text()
+
+
+def test_host_info_names_the_cpu_of_proc_cpuinfo():
+    import os
+    import re
+
+    cpuinfo = open("/proc/cpuinfo").read()
+    assert bench.host_info()["cpu"] == re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M).group(1).strip()
+    assert bench.host_info()["cores"] == os.cpu_count()
