@@ -3,10 +3,12 @@
 SGLang 0.5.17 verifies 16 draft tokens per request through a GDN layer with its recurrent kernel
 (`fused_sigmoid_gating_delta_rule_update_kernel`, ring-writing mode): one warp per 128 x 32 state tile walks
 the steps, and each step loads its q, k, v, a, b and then waits for them. With one warp per SM nothing
-hides that wait: ~30 us per layer on the H200 for ~100 KB of inputs. Here step t + 1's loads are issued
-before step t's arithmetic and stores. Tile, warp count and every arithmetic expression are SGLang's, so
-the outputs and the rings that the commit's fold replays (k before its l2norm, v before the delta rule,
-gate, beta) are the same bits; the loop-invariant A_log and dt_bias are loaded once.
+hides that wait, or the chain of exp, log, sqrt and cross-lane sums that turns the inputs into gate, beta
+and normalized q and k: ~30 us per layer on the H200 for ~100 KB of inputs. Here step t + 1's loads and
+that chain are issued right after step t's state update, in one branch-free loop body (the ring stores
+are masked, not branched), so the two overlap. Tile, warp count and every arithmetic expression are
+SGLang's, so the outputs and the rings that the commit's fold replays (k before its l2norm, v before the
+delta rule, gate, beta) are the same bits; the loop-invariant A_log and dt_bias are loaded once.
 """
 
 import torch
@@ -47,51 +49,57 @@ def _gdn_verify_kernel(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, 
     b_A_log = tl.load(A_log + i_hv).to(tl.float32)
     b_dt_bias = tl.load(dt_bias + i_hv).to(tl.float32)
 
-    b_q = tl.load(p_q, mask=mask_k, other=0).to(tl.float32)
-    b_k = tl.load(p_k, mask=mask_k, other=0).to(tl.float32)
-    b_v = tl.load(p_v, mask=mask_v, other=0).to(tl.float32)
-    b_b = tl.load(p_b).to(tl.float32)
-    b_a = tl.load(p_a).to(tl.float32)
+    ring_v = rawv + slot * stride_rawv_slot + i_hv * MAX_CACHE_LEN * V + o_v
+    ring_k = rawk + slot * stride_rawk_slot + i_h * MAX_CACHE_LEN * K + o_k
+    ring_gate = ring_g + slot * stride_g_slot + i_hv * MAX_CACHE_LEN
+    ring_b = ring_beta + slot * stride_beta_slot + i_hv * MAX_CACHE_LEN
+
+    b_k, b_v, b_g, b_beta, b_qn, b_kn = _step_inputs(p_q, p_k, p_v, p_b, p_a, mask_k, mask_v, True, b_A_log, b_dt_bias,
+                                                     softplus_beta, softplus_threshold, scale)
     for step in range(0, T):
-        more = step + 1 < T  # the next step's inputs, in flight while this step computes
-        n_q = tl.load(p_q + stride_q, mask=mask_k & more, other=0).to(tl.float32)
-        n_k = tl.load(p_k + stride_k, mask=mask_k & more, other=0).to(tl.float32)
-        n_v = tl.load(p_v + stride_v, mask=mask_v & more, other=0).to(tl.float32)
-        n_b = tl.load(p_b + stride_b, mask=more, other=0).to(tl.float32)
-        n_a = tl.load(p_a + stride_a, mask=more, other=0).to(tl.float32)
+        # the fold's ring (raw k, raw v, gate, beta); steps past its length are never committed
+        ring = (slot >= 0) & (step < MAX_CACHE_LEN)
+        tl.store(ring_v + step * V, b_v.to(rawv.dtype.element_ty), mask=mask_v & ring)
+        tl.store(ring_k + step * K, b_k.to(rawk.dtype.element_ty), mask=mask_k & ring & (i_v == 0))
+        tl.store(ring_gate + step, b_g, mask=ring & (i_v == 0))
+        tl.store(ring_b + step, b_beta, mask=ring & (i_v == 0))
 
-        x = b_a + b_dt_bias
-        beta_x = softplus_beta * x
-        softplus_x = tl.where(beta_x <= softplus_threshold, (1.0 / softplus_beta) * tl.log(1.0 + tl.exp(beta_x)), x)
-        b_g = -tl.exp(b_A_log) * softplus_x
-        b_beta = 1.0 / (1.0 + tl.exp(-b_b))
-
-        if slot >= 0 and step < MAX_CACHE_LEN:  # the fold's ring: steps past it are never committed
-            tl.store(rawv + slot * stride_rawv_slot + i_hv * MAX_CACHE_LEN * V + step * V + o_v,
-                     b_v.to(rawv.dtype.element_ty), mask=mask_v)
-            if i_v == 0:
-                tl.store(rawk + slot * stride_rawk_slot + i_h * MAX_CACHE_LEN * K + step * K + o_k,
-                         b_k.to(rawk.dtype.element_ty), mask=mask_k)
-                tl.store(ring_g + slot * stride_g_slot + i_hv * MAX_CACHE_LEN + step, b_g)
-                tl.store(ring_beta + slot * stride_beta_slot + i_hv * MAX_CACHE_LEN + step, b_beta)
-
-        b_q = b_q / (tl.sqrt(tl.sum(b_q * b_q) + 1e-6))
-        b_k = b_k / (tl.sqrt(tl.sum(b_k * b_k) + 1e-6))
-        b_q = b_q * scale
         b_h *= tl.exp(b_g)
-        b_v -= tl.sum(b_h * b_k[:, None], 0)
-        b_v *= b_beta
-        b_h += b_k[:, None] * b_v[None, :]
-        b_o = tl.sum(b_h * b_q[:, None], 0)
+        b_u = b_v - tl.sum(b_h * b_kn[:, None], 0)
+        b_u *= b_beta
+        b_h += b_kn[:, None] * b_u[None, :]
+        b_o = tl.sum(b_h * b_qn[:, None], 0)
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=mask_v)
 
-        b_q, b_k, b_v, b_b, b_a = n_q, n_k, n_v, n_b, n_a
+        # the next step's inputs and everything made from them alone, free to overlap the state update above
         p_q += stride_q
         p_k += stride_k
         p_v += stride_v
         p_b += stride_b
-        p_o += HV * V
         p_a += stride_a
+        p_o += HV * V
+        b_k, b_v, b_g, b_beta, b_qn, b_kn = _step_inputs(p_q, p_k, p_v, p_b, p_a, mask_k, mask_v, step + 1 < T, b_A_log,
+                                                         b_dt_bias, softplus_beta, softplus_threshold, scale)
+
+
+@triton.jit
+def _step_inputs(p_q, p_k, p_v, p_b, p_a, mask_k, mask_v, valid, b_A_log, b_dt_bias, softplus_beta,
+                 softplus_threshold, scale):
+    """One step's raw k and v, gate, beta and l2-normalized q (scaled) and k: SGLang's expressions."""
+    b_q = tl.load(p_q, mask=mask_k & valid, other=0).to(tl.float32)
+    b_k = tl.load(p_k, mask=mask_k & valid, other=0).to(tl.float32)
+    b_v = tl.load(p_v, mask=mask_v & valid, other=0).to(tl.float32)
+    b_b = tl.load(p_b, mask=valid, other=0).to(tl.float32)
+    b_a = tl.load(p_a, mask=valid, other=0).to(tl.float32)
+    x = b_a + b_dt_bias
+    beta_x = softplus_beta * x
+    softplus_x = tl.where(beta_x <= softplus_threshold, (1.0 / softplus_beta) * tl.log(1.0 + tl.exp(beta_x)), x)
+    b_g = -tl.exp(b_A_log) * softplus_x
+    b_beta = 1.0 / (1.0 + tl.exp(-b_b))
+    b_qn = b_q / (tl.sqrt(tl.sum(b_q * b_q) + 1e-6))
+    b_kn = b_k / (tl.sqrt(tl.sum(b_k * b_k) + 1e-6))
+    b_qn = b_qn * scale
+    return b_k, b_v, b_g, b_beta, b_qn, b_kn
 
 
 def fold_verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, softplus_beta: float,
