@@ -379,33 +379,3 @@ def apply_conv_update_tiles() -> None:
     from sglang.kernels.ops.mamba import causal_conv1d_triton as conv
 
     conv._causal_conv1d_update_kernel = _ChannelTiles(conv._causal_conv1d_update_kernel, CONV_UPDATE_BLOCK_N)
-
-
-def _pipelined_fold_verify(original):
-    from qflash.kernels.gdn_verify import fold_verify
-
-    @functools.wraps(original)
-    def verify(*, cache_ring: bool = False, is_kda: bool = False, **kwargs):
-        if not (cache_ring and not is_kda and kwargs.get("use_qk_l2norm_in_kernel") and kwargs.get("disable_state_update")
-                and kwargs.get("cu_seqlens") is not None and kwargs.get("lower_bound") is None
-                and kwargs.get("retrieve_parent_token") is None and kwargs.get("intermediate_states_buffer") is None):
-            return original(cache_ring=cache_ring, is_kda=is_kda, **kwargs)
-        for done in ("use_qk_l2norm_in_kernel", "disable_state_update", "lower_bound", "retrieve_parent_token",
-                     "intermediate_states_buffer", "intermediate_state_indices", "cache_steps"):
-            kwargs.pop(done, None)
-        return fold_verify(**kwargs)
-
-    return verify
-
-
-def apply_pipelined_gdn_verify() -> None:
-    # The GDN verify of the ReplaySSM fold (GDN_VERIFY_FLAGS) runs SGLang's recurrent kernel at one warp per
-    # SM, each of its 16 steps waiting for its own loads: 0.72 ms per cycle on the H200. qflash's kernel
-    # (kernels/gdn_verify.py) loads a step ahead with SGLang's tile and arithmetic, so the outputs and the rings
-    # the fold replays are the same bits. SGLang's fold verify imports the function from its module at each
-    # call, so the module attribute is what is replaced; every other use goes to SGLang's function.
-    check_version()
-    from sglang.kernels.ops.attention.fla import fused_sigmoid_gating_recurrent as recurrent
-
-    recurrent.fused_sigmoid_gating_delta_rule_update = _pipelined_fold_verify(
-        recurrent.fused_sigmoid_gating_delta_rule_update)
