@@ -15,8 +15,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from qflash.kernels import block_attention, config_table, shapes, w8a16_argmax, w8a16_gemm, w8a8_gemm
-from qflash.kernels.per_token_quant import per_token_quant
+from qflash.kernels import block_attention, config_table, per_token_quant, shapes, w8a16_argmax, w8a16_gemm, w8a8_gemm
 from qflash.server import preset
 from conftest import REPO, run_python
 
@@ -54,7 +53,7 @@ def test_per_token_quant_matches_the_rounding_rule_bit_for_bit():
     x = torch.randn(7, 300, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16) * 3
     x[2] = 0  # an all-zero row must not divide by zero
     x[4, 17] = -1000.0
-    q, scale = per_token_quant(x.to(DEVICE))
+    q, scale = per_token_quant.per_token_quant(x.to(DEVICE))
     q_ref, scale_ref = quant_reference(x)
     assert torch.equal(q.cpu(), q_ref) and torch.equal(scale.cpu(), scale_ref)
     assert q[2].abs().max() == 0 and q[4, 17] == -127
@@ -225,6 +224,11 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
         pointers = {"x_ptr": "*bf16" if config["QUANT_X"] else "*i8", **scales}
         kernel = compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, pointers, {"SPLIT_K": 1, **config, "HAS_BIAS": False})
         done.append(("w8a8_gemm", config, "wgmma" in kernel.asm["ptx"]))
+    for k in sorted({k for _, _, k in shapes.TARGET + shapes.DRAFTER}):  # the quantization's rows, in registers
+        config = per_token_quant.launch_config(k)
+        compile_for_sm90(per_token_quant._per_token_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32"},
+                         config)
+        done.append(("per_token_quant", config, None))
     pointers = {"x_ptr": "*bf16", "max_ptr": "*fp32", "idx_ptr": "*i32", **scales}
     for module, kernel in ((w8a16_gemm, w8a16_gemm._w8a16_gemm_kernel), (w8a16_argmax, w8a16_argmax._w8a16_argmax_kernel)):
         for config in distinct([*module.CONFIGS.values(), module.DEFAULT]):

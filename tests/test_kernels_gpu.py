@@ -39,6 +39,18 @@ def test_w8a8_against_float64(phase, m, shape):
     assert not y.isnan().any() and err <= 2 ** -8, f"{name} M={m}: max relative error {err:.2e}, normwise {normwise:.2e}"
 
 
+@pytest.mark.parametrize("m", [16, 8192])
+@pytest.mark.parametrize("k", sorted({k for _, _, k in TARGET + DRAFTER}))
+def test_per_token_quant_at_every_real_width_bit_for_bit(m, k):
+    from qflash.kernels.per_token_quant import per_token_quant
+
+    x = activations(m, k, k) * 3
+    x[1] = 0  # an all-zero row
+    q, scale = per_token_quant(x)
+    q_ref, scale_ref = quant_reference(x.cpu())
+    assert torch.equal(q.cpu(), q_ref) and torch.equal(scale.cpu(), scale_ref)
+
+
 @pytest.mark.parametrize("split_k", [2, 4, 8])
 @pytest.mark.parametrize("shape", [s for s in TARGET + DRAFTER if s[1] <= 2560], ids=lambda s: s[0])
 def test_split_k_gives_the_same_bits_as_one_pass(shape, split_k):
