@@ -1,4 +1,5 @@
-"""`qflash bench-kernels`: qflash's GEMMs against cuBLAS bf16, torch._int_mm and stock SGLang's int8 path.
+"""`qflash bench-kernels`: qflash's GEMMs against cuBLAS bf16, torch._int_mm and stock SGLang's int8 path, and
+qflash's GDN verify and fold against SGLang's at each state tile (`--gdn-only`: those alone).
 
 Every timing starts from bf16 activations (the int8 paths include their per-token quantization) and is
 GPU time with a cold L2 and no host overhead (`timing.cold_us`), as inside SGLang's CUDA graphs.
@@ -71,6 +72,57 @@ def lm_head_row(m: int) -> dict:
     return row
 
 
+GDN_TILES = (4, 8, 16, 32)  # the value columns per program the GDN verify and fold are timed at
+
+
+def gdn_row(batch: int) -> dict:
+    """One GDN layer's verify of 16 tokens per request (ring-writing) and the fold of all 16 on commit, at the
+    Qwen3.5-4B heads: SGLang's kernels against qflash's at each tile of GDN_TILES."""
+    from sglang.kernels.ops.attention.fla.fused_sigmoid_gating_recurrent import fused_sigmoid_gating_delta_rule_update
+    from sglang.kernels.ops.attention.fla.gdn_replayssm_spec_fold import commit_gdn_replayssm_fold_all_layers
+
+    from qflash.kernels import gdn_verify
+
+    h, hv, d, steps, t = 16, 32, 128, 16, 16 * batch
+
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device="cuda", dtype=dtype)
+
+    inputs = dict(A_log=rand(hv, dtype=torch.float32), dt_bias=rand(hv, dtype=torch.float32), q=rand(1, t, h, d),
+                  k=rand(1, t, h, d), v=rand(1, t, hv, d), a=rand(t, hv), b=rand(t, hv),
+                  initial_state_source=rand(batch, hv, d, d, dtype=torch.float32) * 0.1,
+                  initial_state_indices=torch.arange(batch, device="cuda", dtype=torch.int32),
+                  cu_seqlens=torch.arange(0, t + 1, steps, device="cuda", dtype=torch.int32),
+                  softplus_beta=1.0, softplus_threshold=20.0)
+    rings = dict(replayssm_rawv=rand(batch, hv, steps, d), replayssm_rawk=rand(batch, h, steps, d),
+                 replayssm_g=rand(batch, hv, steps, dtype=torch.float32),
+                 replayssm_beta=rand(batch, hv, steps, dtype=torch.float32))
+    fold = dict(checkpoint_state=inputs["initial_state_source"][None], rawv_cache=rings["replayssm_rawv"][None],
+                rawk_cache=rings["replayssm_rawk"][None], g_cache=rings["replayssm_g"][None],
+                beta_cache=rings["replayssm_beta"][None], ssm_state_indices=inputs["initial_state_indices"],
+                accept_lens=torch.full((batch,), steps, device="cuda", dtype=torch.int32), max_cache_len=steps,
+                num_k_heads=h)
+    row = {"batch": batch,
+           "sglang_verify_us": time_us(lambda: fused_sigmoid_gating_delta_rule_update(
+               **inputs, **rings, use_qk_l2norm_in_kernel=True, is_kda=False, disable_state_update=True,
+               cache_ring=True)),
+           "sglang_fold_us": time_us(lambda: commit_gdn_replayssm_fold_all_layers(**fold))}
+    for bv in GDN_TILES:
+        config = dict(gdn_verify.CONFIG, BV=bv)
+        row[f"verify_{bv}_us"] = time_us(lambda: gdn_verify.verify(**inputs, **rings, config=config))
+        row[f"fold_{bv}_us"] = time_us(lambda: gdn_verify.fold_all_layers(**fold, config=config))
+    return row
+
+
+def render_gdn(rows: list[dict]) -> str:
+    tiles = " | ".join(f"qflash {bv} cols verify / fold us" for bv in GDN_TILES)
+    out = [f"| requests | SGLang (32 cols) verify / fold us | {tiles} |", "| ---: |" + " ---: |" * (1 + len(GDN_TILES))]
+    for r in rows:
+        cells = " | ".join(f"{_f(r[f'verify_{bv}_us'])} / {_f(r[f'fold_{bv}_us'])}" for bv in GDN_TILES)
+        out.append(f"| {r['batch']} | {_f(r['sglang_verify_us'])} / {_f(r['sglang_fold_us'])} | {cells} |")
+    return "\n".join(out) + "\n"
+
+
 def _f(v, spec=".1f"):
     return "-" if v is None else f"{v:{spec}}"
 
@@ -92,9 +144,17 @@ def render(gemms: list[dict], heads: list[dict], step: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def run_bench_kernels(out: Path) -> int:
+def run_bench_kernels(out: Path, gdn_only: bool = False) -> int:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    gdn = [gdn_row(batch) for batch in (1, 8)]
+    head = f"{torch.cuda.get_device_name()}: `qflash bench-kernels --out {out}{' --gdn-only' if gdn_only else ''}`\n\n"
+    if gdn_only:
+        table = head + render_gdn(gdn)
+        (out / "kernels.md").write_text(table)
+        (out / "kernels.json").write_bytes(orjson.dumps({"gdn": gdn}, option=orjson.OPT_INDENT_2))
+        print(table)
+        return 0
     stock = _stock_path()
     jobs = ([("verify", m, s) for s in TARGET for m in DECODE_M] + [("draft", m, s) for s in DRAFTER for m in DECODE_M]
             + [("prefill", m, s) for s in TARGET + DRAFTER for m in PREFILL_M])
@@ -104,8 +164,9 @@ def run_bench_kernels(out: Path) -> int:
     step = {"sglang_us": sum(TARGET_COUNT[g] * verify16[g]["sglang_int8_us"] for g in TARGET_COUNT),
             "qflash_us": sum(TARGET_COUNT[g] * verify16[g]["qflash_us"] for g in TARGET_COUNT),
             "worst_vs_sglang": min(r["vs_sglang"] for r in gemms if r["vs_sglang"] is not None)}
-    table = f"{torch.cuda.get_device_name()}: `qflash bench-kernels --out {out}`\n\n" + render(gemms, heads, step)
+    table = head + render(gemms, heads, step) + "\n" + render_gdn(gdn)
     (out / "kernels.md").write_text(table)
-    (out / "kernels.json").write_bytes(orjson.dumps({"gemms": gemms, "lm_head": heads, "verify_step": step}, option=orjson.OPT_INDENT_2))
+    (out / "kernels.json").write_bytes(orjson.dumps({"gemms": gemms, "lm_head": heads, "verify_step": step, "gdn": gdn},
+                                                    option=orjson.OPT_INDENT_2))
     print(table)
     return 0

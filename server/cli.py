@@ -66,7 +66,7 @@ def _profile(args: argparse.Namespace, extra: list[str]) -> int:
 def _bench_kernels(args: argparse.Namespace, extra: list[str]) -> int:
     from qflash.kernels.bench import run_bench_kernels
 
-    return run_bench_kernels(args.out)
+    return run_bench_kernels(args.out, gdn_only=args.gdn_only)
 
 
 def _eval(args: argparse.Namespace, extra: list[str]) -> int:
@@ -137,8 +137,10 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--out", type=Path, required=True, help="folder for the trace, profile.md and profile.json")
     f.set_defaults(func=_profile, passthrough=True)
 
-    k = sub.add_parser("bench-kernels", help="qflash GEMMs vs cuBLAS bf16, torch._int_mm and SGLang int8 (GPU)")
+    k = sub.add_parser("bench-kernels", help="qflash GEMMs vs cuBLAS bf16, torch._int_mm and SGLang int8, and the GDN "
+                                             "verify and fold vs SGLang's (GPU)")
     k.add_argument("--out", type=Path, required=True, help="folder for kernels.md and kernels.json")
+    k.add_argument("--gdn-only", action="store_true", help="only the GDN verify and fold, at each state tile")
     k.set_defaults(func=_bench_kernels, passthrough=False)
 
     from qflash.server.eval import GATES, parse_gate

@@ -379,3 +379,38 @@ def apply_conv_update_tiles() -> None:
     from sglang.kernels.ops.mamba import causal_conv1d_triton as conv
 
     conv._causal_conv1d_update_kernel = _ChannelTiles(conv._causal_conv1d_update_kernel, CONV_UPDATE_BLOCK_N)
+
+
+def _tiled_fold_verify(original):
+    from qflash.kernels import gdn_verify
+
+    @functools.wraps(original)
+    def verify(*, cache_ring: bool = False, is_kda: bool = False, **kwargs):
+        if not (cache_ring and not is_kda and kwargs.get("use_qk_l2norm_in_kernel") and kwargs.get("disable_state_update")
+                and kwargs.get("cu_seqlens") is not None and kwargs.get("lower_bound") is None
+                and kwargs.get("retrieve_parent_token") is None and kwargs.get("intermediate_states_buffer") is None):
+            return original(cache_ring=cache_ring, is_kda=is_kda, **kwargs)
+        for done in ("use_qk_l2norm_in_kernel", "disable_state_update", "lower_bound", "retrieve_parent_token",
+                     "intermediate_states_buffer", "intermediate_state_indices", "cache_steps"):
+            kwargs.pop(done, None)
+        return gdn_verify.verify(**kwargs)
+
+    return verify
+
+
+def apply_gdn_verify_tiles() -> None:
+    # The GDN verify of the ReplaySSM fold (GDN_VERIFY_FLAGS) runs SGLang's recurrent kernel on one warp per
+    # 128 x 32 state tile, one per SM: 0.72 ms per cycle on the H200. qflash's verify and fold
+    # (kernels/gdn_verify.py) run a narrower tile; the fold must give the verify's bits, so both are replaced
+    # together. SGLang's fold verify imports the verify from its module at each call and its commit calls the
+    # fold through its module's global, so the module attributes are what is replaced. Verify calls without
+    # the ring (decode, EAGLE's snapshots) still reach SGLang's kernel.
+    check_version()
+    from sglang.kernels.ops.attention.fla import fused_sigmoid_gating_recurrent as recurrent
+    from sglang.kernels.ops.attention.fla import gdn_replayssm_spec_fold as fold
+
+    from qflash.kernels import gdn_verify
+
+    recurrent.fused_sigmoid_gating_delta_rule_update = _tiled_fold_verify(
+        recurrent.fused_sigmoid_gating_delta_rule_update)
+    fold.commit_gdn_replayssm_fold_all_layers = gdn_verify.fold_all_layers

@@ -29,6 +29,7 @@ def register() -> None:
     patches.apply_dflash_radix_cache_fixes()
     patches.apply_gdn_fold_commit()
     patches.apply_conv_update_tiles()
+    patches.apply_gdn_verify_tiles()
     ModelRegistry.register(MODEL_PACKAGE, overwrite=True, strict=True)
     QUANTIZATION_METHODS[NAME] = QflashW8A8Config
     if NAME not in QUANTIZATION_CHOICES:

@@ -154,9 +154,9 @@ PREFIX_CACHE_FLAGS = {True: ["--mamba-radix-cache-strategy", "extra_buffer"], Fa
 QFLASH_W8A8_FLAGS = ["--quantization", "qflash_w8a8", "--speculative-draft-model-quantization", "qflash_w8a8"]
 
 # The Gated-DeltaNet verify keeps each draft step's raw inputs and the commit replays the accepted ones into
-# the state (SGLang's ReplaySSM spec-verify; bit-identical to the 16 full-state snapshots per layer it
-# replaces, 32 MB written per layer per cycle). DFLASH's commit reaches the replay through
-# patches.apply_gdn_fold_commit.
+# the state (SGLang's ReplaySSM spec-verify, in place of 16 full-state snapshots per layer, 32 MB written per
+# layer per cycle). DFLASH's commit reaches the replay through patches.apply_gdn_fold_commit; the verify and
+# the replay run qflash's kernels (kernels/gdn_verify.py, patches.apply_gdn_verify_tiles).
 GDN_VERIFY_FLAGS = ["--enable-linear-replayssm-spec"]
 
 # What qflash adds to SGLang's serving beyond the quantization method: CUDA graphs for every batch size

@@ -4,7 +4,7 @@
 #   TESTS="pytest args"    default "-m gpu tests" (all GPU tests); TESTS=0 skips
 #   EVAL_DEPS=1            install lm-eval offline for tests/test_eval_gpu.py (carry .gpu-eval too:
 #                          tests/fetch_eval_deps.sh makes it here, 15.3 MiB)
-#   BENCH_KERNELS=1        qflash bench-kernels
+#   BENCH_KERNELS=1        qflash bench-kernels $BENCH_KERNELS_ARGS (e.g. --gdn-only)
 #   BENCH=sys1,sys2,...    qflash bench --systems ... $BENCH_ARGS (e.g. BENCH_ARGS="--profile-steps 8")
 # Device tool: carry [".gpu"] (a copy of ../shared/device, the offline SGLang bundle); bash tests/run_gpu.sh
 set -uo pipefail
@@ -38,7 +38,8 @@ if [ "${TESTS:-}" != 0 ]; then
 fi
 
 if [ "${BENCH_KERNELS:-0}" = 1 ]; then
-  timeout "${BENCH_KERNELS_TIMEOUT:-240}" python3 -m qflash.server.cli bench-kernels --out /tmp/kbench > /tmp/kbench.log 2>&1 || status=1
+  # shellcheck disable=SC2086
+  timeout "${BENCH_KERNELS_TIMEOUT:-240}" python3 -m qflash.server.cli bench-kernels --out /tmp/kbench ${BENCH_KERNELS_ARGS:-} > /tmp/kbench.log 2>&1 || status=1
   tail -n 20 /tmp/kbench.log
   cp /tmp/kbench/kernels.md /tmp/kbench/kernels.json "$OUT/" 2>/dev/null
 fi

@@ -1,12 +1,13 @@
 """DFLASH's GDN commit under `--enable-linear-replayssm-spec` (server/patches.py, apply_gdn_fold_commit).
 
-On the GPU, SGLang 0.5.17's own verify kernel runs a 16-token block for two requests twice, once caching the
-state after every step (what DFLASH commits from without the flag) and once keeping only each step's raw
-inputs (with it); then the commit through qflash's hooked `update_mamba_state_after_mtp_verify` must leave the
-GDN states, conv windows and the prefix-cache checkpoint slot bit for bit as SGLang's unhooked commit leaves
-them from the snapshots. SGLang's fold and scatter kernels do not run on the CPU (the scatters refuse CPU
-tensors; the fold's loop variable is a Python int in Triton's interpreter), so the CPU checks the flags:
-SGLang accepts the fold together with DFLASH and the radix cache's extra_buffer, as `./launch.sh` passes them.
+On the GPU, the GDN verify runs a 16-token block for two requests twice: SGLang 0.5.17's kernel caching the
+state after every step (what DFLASH commits from without the flag), and qflash's, to which the plugin routes
+the verify that keeps only each step's raw inputs (with it; kernels/gdn_verify.py, which also folds). The
+commit through qflash's hooked `update_mamba_state_after_mtp_verify` must then leave the GDN states and the
+prefix-cache checkpoint slot as SGLang's unhooked commit leaves them from the snapshots, up to the rounding of
+another summation order, and the conv windows bit for bit. SGLang's scatter kernels refuse CPU tensors, so
+the CPU checks the flags: SGLang accepts the fold together with DFLASH and the radix cache's extra_buffer,
+as `./launch.sh` passes them.
 """
 
 import json
@@ -83,8 +84,8 @@ commit(ring, fold=True)
 commit(snap, fold=False)  # SGLang's own scatter of the snapshots
 touched = sorted({*slots.tolist(), *track_slots[track_steps >= 0].tolist()})
 print(json.dumps({
-    "outputs equal": all(torch.equal(x, y) for x, y in zip(out_snap, out_ring)),
-    "states equal": torch.equal(ring.temporal, snap.temporal),
+    "output error": max(((x.double() - y.double()).norm() / y.double().norm()).item() for x, y in zip(out_ring, out_snap)),
+    "state error": ((ring.temporal.double() - snap.temporal.double()).norm() / snap.temporal.double().norm()).item(),
     "conv equal": torch.equal(ring.conv[0], snap.conv[0]),
     "moved": [s for s in range(SLOTS) if not torch.equal(ring.temporal[:, s], temporal[:, s])],
     "touched": touched,
@@ -159,8 +160,10 @@ def test_dflash_commit_folds_the_gdn_window_as_sglang_scatters_the_snapshots_gpu
     result = run_python(FOLD, env={"SGLANG_PLUGINS": "qflash"}, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     got = json.loads(result.stdout.strip().splitlines()[-1])
-    assert got["outputs equal"], "the verify's outputs differ between the two caching modes"
-    assert got["states equal"], "the folded GDN states differ from the snapshots"
+    # qflash's verify and fold sum on another tile than SGLang's verify: the same values up to rounding (bf16
+    # outputs, fp32 states); tests/test_gdn_verify.py holds qflash's fold to its verify's bits
+    assert got["output error"] <= 4e-3, got["output error"]
+    assert got["state error"] <= 1e-5, got["state error"]
     assert got["conv equal"]
     # the two requests' slots and request 0's checkpoint slot changed, nothing else
     assert got["moved"] == got["touched"] == [2, 5, 6]

@@ -185,6 +185,16 @@ def test_shapes_follow_from_the_preset():
     assert sum(shapes.TARGET_COUNT.values()) == 24 * 3 + 8 * 2 + 32 * 2
 
 
+def test_bench_kernels_gdn_table_renders():
+    from qflash.kernels.bench import GDN_TILES, render_gdn
+
+    row = {"batch": 1, "sglang_verify_us": 29.9, "sglang_fold_us": 56.0,
+           **{f"verify_{bv}_us": 10.0 + bv for bv in GDN_TILES}, **{f"fold_{bv}_us": None for bv in GDN_TILES}}
+    table = render_gdn([row])
+    assert table.splitlines()[0].count("|") == 3 + len(GDN_TILES)
+    assert "| 1 | 29.9 / 56.0 | 14.0 / - | 18.0 / - | 26.0 / - | 42.0 / - |" in table
+
+
 def test_bench_kernels_table_renders():
     from qflash.kernels.bench import render
 

@@ -1,0 +1,114 @@
+"""qflash's GDN verify and commit fold (kernels/gdn_verify.py, routed by patches.apply_gdn_verify_tiles).
+
+In one process, SGLang 0.5.17's verify runs first; then qflash's plugin is loaded and the same call (the
+module attribute, by keyword, as SGLang's GDN backend makes it) reaches qflash's verify. Checked:
+- the rings the fold replays are SGLang's bits, the outputs SGLang's values (another tile sums in another order);
+- resuming: the fold of each request's accepted steps, then the verify of its remaining steps from the folded
+  state, gives the first verify's outputs for those steps bit for bit, so the fold commits the verify's state;
+- a prefix-cache checkpoint slot gets the state after its step; the state read by the verify stays untouched;
+- calls without the ring still run SGLang's kernel.
+CPU: Triton's interpreter in fp32 (its bf16 arithmetic is wrong) on small heads; GPU: the Qwen3.5-4B shape
+(16 key heads, 32 value heads of 128) in bf16 with the fp32 state, where the tile's reduction order is real.
+"""
+
+import json
+
+import pytest
+import torch
+
+from conftest import run_python
+
+VERIFY = """
+import json, sys, torch
+from sglang.kernels.ops.attention.fla import fused_sigmoid_gating_recurrent as recurrent
+from sglang.kernels.ops.attention.fla import gdn_replayssm_spec_fold as fold
+
+dev, batch, H, HV, K, V = sys.argv[1], *map(int, sys.argv[2:])
+dtype = torch.bfloat16 if dev == "cuda" else torch.float32  # the interpreter computes bf16 loads wrongly
+STEPS, SLOTS = 16, 2 * batch + 2
+g = torch.Generator(device=dev).manual_seed(0)
+rand = lambda *shape, dt=dtype: torch.randn(*shape, device=dev, dtype=dt, generator=g)
+T = STEPS * batch
+q, k, v, a, b = rand(1, T, H, K), rand(1, T, H, K), rand(1, T, HV, V), rand(T, HV), rand(T, HV)
+A_log, dt_bias = rand(HV, dt=torch.float32), rand(HV, dt=torch.float32)
+state = rand(SLOTS, HV, V, K, dt=torch.float32) * 0.1
+slots = torch.arange(1, 2 * batch, 2, device=dev, dtype=torch.int32)
+accept = torch.tensor([6, 1, 15][:batch], device=dev, dtype=torch.int32)  # steps committed per request
+
+def verify(h, q, k, v, a, b, cu, cache_ring=True):
+    rings = [torch.zeros(SLOTS, HV, STEPS, V, device=dev, dtype=dtype), torch.zeros(SLOTS, H, STEPS, K, device=dev, dtype=dtype),
+             torch.zeros(SLOTS, HV, STEPS, device=dev), torch.zeros(SLOTS, HV, STEPS, device=dev)]
+    ring = dict(zip(("replayssm_rawv", "replayssm_rawk", "replayssm_g", "replayssm_beta"), rings)) if cache_ring else {}
+    o = recurrent.fused_sigmoid_gating_delta_rule_update(
+        A_log=A_log, dt_bias=dt_bias, q=q, k=k, v=v, a=a, b=b, initial_state_source=h, initial_state_indices=slots,
+        cu_seqlens=cu, use_qk_l2norm_in_kernel=True, softplus_beta=1.0, softplus_threshold=20.0, is_kda=False,
+        disable_state_update=cache_ring, cache_ring=cache_ring, **ring)
+    return o, rings
+
+cu = torch.arange(0, T + 1, STEPS, device=dev, dtype=torch.int32)
+h = state.clone()
+stock, stock_rings = verify(h, q, k, v, a, b, cu)
+stock_decode = verify(h.clone(), q, k, v, a, b, cu, cache_ring=False)[0]
+from sglang.srt.plugins import load_plugins
+load_plugins()
+mine, rings = verify(h, q, k, v, a, b, cu)
+mine_decode = verify(h.clone(), q, k, v, a, b, cu, cache_ring=False)[0]
+
+# fold each request's accepted steps (request 0 also checkpoints after its step 3), then verify the rest
+folded, track_slot = h.clone(), SLOTS - 1
+fold.commit_gdn_replayssm_fold_all_layers(
+    checkpoint_state=folded[None], rawv_cache=rings[0][None], rawk_cache=rings[1][None], g_cache=rings[2][None],
+    beta_cache=rings[3][None], ssm_state_indices=slots, accept_lens=accept, max_cache_len=STEPS, num_k_heads=H,
+    mamba_track_indices=torch.tensor([track_slot] + [-1] * (batch - 1), device=dev),
+    mamba_steps_to_track=torch.tensor([3] + [-1] * (batch - 1), device=dev))
+four = h.clone()
+fold.commit_gdn_replayssm_fold_all_layers(
+    checkpoint_state=four[None], rawv_cache=rings[0][None], rawk_cache=rings[1][None], g_cache=rings[2][None],
+    beta_cache=rings[3][None], ssm_state_indices=slots[:1], accept_lens=torch.tensor([4], device=dev),
+    max_cache_len=STEPS, num_k_heads=H)
+rest = torch.cat([torch.arange(i * STEPS + int(n), (i + 1) * STEPS) for i, n in enumerate(accept.tolist())]).to(dev)
+cu_rest = torch.nn.functional.pad((STEPS - accept).cumsum(0), (1, 0)).to(torch.int32)
+resumed, _ = verify(folded, q[:, rest], k[:, rest], v[:, rest], a[rest], b[rest], cu_rest)
+untouched = [s for s in range(SLOTS) if s not in slots.tolist() + [track_slot]]
+
+err = ((mine.double() - stock.double()).norm() / stock.double().norm()).item()
+print(json.dumps({"routed": recurrent.fused_sigmoid_gating_delta_rule_update.__code__.co_filename,
+                  "fold": fold.commit_gdn_replayssm_fold_all_layers.__module__,
+                  "rings equal": [torch.equal(x, y) for x, y in zip(stock_rings, rings)],
+                  "rings written": [bool(r[slots.long()].abs().sum() > 0) for r in rings],
+                  "output error": err, "finite": bool(mine.isfinite().all()),
+                  "resumed": torch.equal(resumed, mine[:, rest]),
+                  "checkpoint": torch.equal(folded[track_slot], four[slots[0]]),
+                  "folded moved": not torch.equal(folded[slots.long()], h[slots.long()]),
+                  "verify kept the state": torch.equal(h, state),
+                  "others untouched": torch.equal(folded[untouched], state[untouched]),
+                  "without the ring": torch.equal(stock_decode, mine_decode)}))
+"""
+
+
+def tiled_verify(device: str, batch: int, h: int, hv: int, k: int, v: int) -> dict:
+    interpret = {"TRITON_INTERPRET": "1"} if device == "cpu" else {}
+    result = run_python(VERIFY, device, *map(str, (batch, h, hv, k, v)), env={"SGLANG_PLUGINS": "qflash", **interpret},
+                        timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def check(got: dict, tolerance: float) -> None:
+    assert got["routed"].endswith("server/patches.py") and got["fold"] == "qflash.kernels.gdn_verify"
+    assert got["rings equal"] == got["rings written"] == [True] * 4, "raw v, raw k, gate, beta"
+    assert got["finite"] and got["output error"] <= tolerance, got["output error"]
+    assert got["resumed"], "verify after the fold gives the first verify's outputs"
+    assert got["checkpoint"] and got["folded moved"] and got["verify kept the state"] and got["others untouched"]
+    assert got["without the ring"], "a call without the ring runs SGLang's kernel"
+
+
+def test_tiled_verify_and_fold():
+    check(tiled_verify("cpu", 3, 2, 4, 32, 64), 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("batch", [1, 3])
+def test_tiled_verify_and_fold_at_the_real_shape_gpu(batch):
+    check(tiled_verify("cuda", batch, 16, 32, 128, 128), 4e-3)  # bf16 outputs: a last-bit rounding here and there
