@@ -108,7 +108,7 @@ def gdn_row(batch: int) -> dict:
                cache_ring=True)),
            "sglang_fold_us": time_us(lambda: commit_gdn_replayssm_fold_all_layers(**fold))}
     for bv in GDN_TILES:
-        config = dict(gdn_verify.CONFIG, BV=bv)
+        config = dict(gdn_verify.CONFIGS[1], BV=bv)
         row[f"verify_{bv}_us"] = time_us(lambda: gdn_verify.verify(**inputs, **rings, config=config))
         row[f"fold_{bv}_us"] = time_us(lambda: gdn_verify.fold_all_layers(**fold, config=config))
     return row

@@ -8,7 +8,7 @@ of BV < 32 value columns put 32 / BV warps on each SM and cut each warp's shuffl
 
 The commit replays the accepted steps from the ring (raw k, raw v, gate, beta) into the state; it must
 give the verify's bits, which SGLang's fold does only for SGLang's tile. So both kernels are here, run one
-step function (`_update`) on one tile (CONFIG), and write and read the same rings as SGLang's.
+step function (`_update`) on one tile (`config_for`), and write and read the same rings as SGLang's.
 """
 
 import torch
@@ -137,7 +137,7 @@ def verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, softplus
     """SGLang's `fused_sigmoid_gating_delta_rule_update(..., use_qk_l2norm_in_kernel=True, disable_state_update=True,
     cache_ring=True)` for GDN with varlen sequences: q, k [1, T, H, K], v [1, T, HV, V], a, b [T, HV], the fp32
     state [slots, HV, V, K] read only, the per-layer rings written; returns o [1, T, HV, V]. config: the bench's."""
-    config = config or CONFIG
+    config = config or config_for(len(cu_seqlens) - 1)
     _, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     check_shape(K, V, config)
@@ -159,7 +159,7 @@ def fold_all_layers(checkpoint_state: torch.Tensor, rawv_cache: torch.Tensor, ra
     """SGLang's `commit_gdn_replayssm_fold_all_layers` (same arguments) on qflash's tile: replays each request's
     accepted steps of every layer into checkpoint_state [layers, slots, HV, V, K] in place. config: the bench's."""
     assert use_qk_l2norm_in_kernel and null_block_id == -1, "the GDN verify above normalizes q and k; -1 is no slot"
-    config = config or CONFIG
+    config = config or config_for(ssm_state_indices.shape[0])
     layers, _, HV, V, K = checkpoint_state.shape
     check_shape(K, V, config)
     has_track = mamba_track_indices is not None and mamba_steps_to_track is not None
@@ -176,6 +176,14 @@ def check_shape(k: int, v: int, config: dict) -> None:
         raise ValueError(f"GDN heads of {k} keys x {v} values do not fit the {k} x {config['BV']} state tile")
 
 
-# The state tile both kernels run: BV value columns of all K keys, one warp (its reduction trees are the bits).
-# Not yet timed on the H200: `qflash bench-kernels --gdn-only` times the candidates (BV 4, 8, 16, 32).
-CONFIG = {"BV": 8, "num_warps": 1, "num_stages": 3}
+def config_for(requests: int) -> dict:
+    """The tile for a batch: the entry for the fewest requests that is at least `requests`, else the widest.
+    The verify and the fold of one cycle see the same batch (a batch of 1 is never padded), so the same tile."""
+    return CONFIGS[min((n for n in CONFIGS if n >= requests), default=max(CONFIGS))]
+
+
+# The state tile both kernels run, by requests in the batch: BV value columns of all K keys, one warp (its
+# reduction trees are the bits). `qflash bench-kernels --gdn-only` on the H200, verify / fold us (SGLang's 32
+# columns: 33.3 / 46.4 at 1 request, 48.5 / 55.3 at 8): 1 request, 4 columns 18.4 / 15.5 (8: 26.5 / 21.8,
+# 16: 25.3 / 21.0); 8 requests, 16 columns 45.3 / 32.0 (4: 64.8 / 36.4, 8: 61.2 / 44.4, 32: 47.6 / 33.9).
+CONFIGS = {1: {"BV": 4, "num_warps": 1, "num_stages": 3}, 8: {"BV": 16, "num_warps": 1, "num_stages": 3}}

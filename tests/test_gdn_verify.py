@@ -64,8 +64,8 @@ fold.commit_gdn_replayssm_fold_all_layers(
 four = h.clone()
 fold.commit_gdn_replayssm_fold_all_layers(
     checkpoint_state=four[None], rawv_cache=rings[0][None], rawk_cache=rings[1][None], g_cache=rings[2][None],
-    beta_cache=rings[3][None], ssm_state_indices=slots[:1], accept_lens=torch.tensor([4], device=dev),
-    max_cache_len=STEPS, num_k_heads=H)
+    beta_cache=rings[3][None], ssm_state_indices=slots, accept_lens=torch.full_like(accept, 4),
+    max_cache_len=STEPS, num_k_heads=H)  # the same batch, so the same tile as the fold above
 rest = torch.cat([torch.arange(i * STEPS + int(n), (i + 1) * STEPS) for i, n in enumerate(accept.tolist())]).to(dev)
 cu_rest = torch.nn.functional.pad((STEPS - accept).cumsum(0), (1, 0)).to(torch.int32)
 resumed, _ = verify(folded, q[:, rest], k[:, rest], v[:, rest], a[rest], b[rest], cu_rest)
@@ -103,8 +103,9 @@ def check(got: dict, tolerance: float) -> None:
     assert got["without the ring"], "a call without the ring runs SGLang's kernel"
 
 
-def test_tiled_verify_and_fold():
-    check(tiled_verify("cpu", 3, 2, 4, 32, 64), 1e-5)
+@pytest.mark.parametrize("batch", [1, 3])  # the tiles for one request and for more
+def test_tiled_verify_and_fold(batch):
+    check(tiled_verify("cpu", batch, 2, 4, 32, 64), 1e-5)
 
 
 @pytest.mark.gpu
