@@ -32,7 +32,7 @@ def _update(b_h, b_kn, b_v, b_g, b_beta):
 
 
 @triton.jit(do_not_specialize=["T"])
-def _verify_kernel(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b, o, h0_source, h0_indices,
+def _gdn_verify_kernel(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b, o, h0_source, h0_indices,
                    stride_h0_source, cu_seqlens, scale, T, stride_a, stride_q, stride_k, stride_v, stride_b,
                    rawv, rawk, ring_g, ring_beta, stride_rawv_slot, stride_rawk_slot, stride_g_slot,
                    stride_beta_slot, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -94,7 +94,7 @@ def _verify_kernel(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v
 
 
 @triton.jit
-def _fold_kernel(state, rawv, rawk, ring_g, ring_beta, slots, accept_lens, track_slots, track_steps,
+def _gdn_fold_kernel(state, rawv, rawk, ring_g, ring_beta, slots, accept_lens, track_slots, track_steps,
                  stride_state_layer, stride_state_slot, stride_rawv_layer, stride_rawv_slot, stride_rawk_layer,
                  stride_rawk_slot, stride_g_layer, stride_g_slot, stride_beta_layer, stride_beta_slot,
                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
@@ -142,7 +142,7 @@ def verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, softplus
     HV, V = v.shape[2], v.shape[3]
     check_shape(K, V, config)
     o = q.new_empty(v.shape)
-    _verify_kernel[(V // config["BV"], (len(cu_seqlens) - 1) * HV)](
+    _gdn_verify_kernel[(V // config["BV"], (len(cu_seqlens) - 1) * HV)](
         A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b, o, initial_state_source,
         initial_state_indices, initial_state_source.stride(0), cu_seqlens, K ** -0.5 if scale is None else scale, T,
         a.stride(-2), q.stride(1), k.stride(1), v.stride(1), b.stride(-2), replayssm_rawv, replayssm_rawk,
@@ -164,7 +164,7 @@ def fold_all_layers(checkpoint_state: torch.Tensor, rawv_cache: torch.Tensor, ra
     check_shape(K, V, config)
     has_track = mamba_track_indices is not None and mamba_steps_to_track is not None
     tracks = (mamba_track_indices, mamba_steps_to_track) if has_track else (ssm_state_indices, accept_lens)
-    _fold_kernel[(V // config["BV"], ssm_state_indices.shape[0], layers * HV)](
+    _gdn_fold_kernel[(V // config["BV"], ssm_state_indices.shape[0], layers * HV)](
         checkpoint_state, rawv_cache, rawk_cache, g_cache, beta_cache, ssm_state_indices, accept_lens, *tracks,
         *checkpoint_state.stride()[:2], *rawv_cache.stride()[:2], *rawk_cache.stride()[:2], *g_cache.stride()[:2],
         *beta_cache.stride()[:2], H=num_k_heads, HV=HV, K=K, V=V, MAX_CACHE_LEN=max_cache_len, HAS_TRACK=has_track,
