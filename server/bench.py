@@ -65,8 +65,9 @@ def generate_payload(input_ids: list[int]) -> dict:
 
 
 def read_stream(lines, start: float, clock=time.perf_counter) -> dict:
-    """Time one streamed /generate response: first chunk = first token (TTFT), last chunk = done."""
-    first, meta = None, None
+    """Time one streamed /generate response: first chunk = first token (TTFT), last chunk = done. The first
+    chunk's token count says whether the server sent the prefill's token alone or with a verify's tokens."""
+    first, first_tokens, meta = None, None, None
     for line in lines:
         if not line.startswith(b"data:"):
             continue
@@ -76,14 +77,16 @@ def read_stream(lines, start: float, clock=time.perf_counter) -> dict:
         chunk = orjson.loads(data)
         if "error" in chunk:
             raise RuntimeError(f"server error: {chunk['error']}")
-        first = first or clock()
         meta = chunk["meta_info"]
+        if first is None:
+            first, first_tokens = clock(), meta["completion_tokens"]
     end = clock()
     if meta is None:
         raise RuntimeError("empty response stream")
     return {
         "latency_ms": (end - start) * 1e3,
         "ttft_ms": (first - start) * 1e3,
+        "first_chunk_tokens": first_tokens,
         "output_tokens": meta["completion_tokens"],
         "accept_len": meta.get("spec_accept_length"),
         "verify_steps": meta.get("spec_verify_ct"),

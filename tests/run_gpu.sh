@@ -5,6 +5,9 @@
 #   EVAL_DEPS=1            install lm-eval offline for tests/test_eval_gpu.py (carry .gpu-eval too:
 #                          tests/fetch_eval_deps.sh makes it here, 15.3 MiB)
 #   BENCH_KERNELS=1        qflash bench-kernels $BENCH_KERNELS_ARGS (e.g. --gdn-only)
+#   AB_TREE=.ab            qflash bench --systems qflash $AB_ARGS from another tree, then from the checkout, on one
+#                          machine (a diagnostic: no stock row). Make it with `git archive REF | tar -x -C .ab`
+#                          (git-ignored) and carry it too
 #   BENCH=sys1,sys2,...    qflash bench --systems ... $BENCH_ARGS (e.g. BENCH_ARGS="--profile-steps 8")
 # Device tool: carry [".gpu"] (a copy of ../shared/device, the offline SGLang bundle); bash tests/run_gpu.sh
 set -uo pipefail
@@ -42,6 +45,18 @@ if [ "${BENCH_KERNELS:-0}" = 1 ]; then
   timeout "${BENCH_KERNELS_TIMEOUT:-240}" python3 -m qflash.server.cli bench-kernels --out /tmp/kbench ${BENCH_KERNELS_ARGS:-} > /tmp/kbench.log 2>&1 || status=1
   tail -n 20 /tmp/kbench.log
   cp /tmp/kbench/kernels.md /tmp/kbench/kernels.json "$OUT/" 2>/dev/null
+fi
+
+if [ -n "${AB_TREE:-}" ]; then
+  for tree in "$AB_TREE" .; do
+    side=$([ "$tree" = . ] && echo checkout || echo ref)
+    python3 -m pip install -q --no-deps --no-build-isolation -e "$tree" || exit 1
+    # shellcheck disable=SC2086
+    timeout "${AB_TIMEOUT:-250}" python3 -m qflash.server.cli bench --systems qflash --out "/tmp/ab-$side" ${AB_ARGS:-} \
+      > "/tmp/ab-$side.log" 2>&1 || status=1
+    tail -n 8 "/tmp/ab-$side/results.md"
+    cp "/tmp/ab-$side/run.json" "$OUT/ab-$side.json" 2>/dev/null
+  done
 fi
 
 if [ -n "${BENCH:-}" ]; then

@@ -62,12 +62,13 @@ def sse(*chunks):
 
 def test_stream_timing_reads_first_and_last_chunk():
     ticks = iter([1.10, 2.00])  # read at the first chunk and when the stream ends
-    lines = sse({"text": "a", "meta_info": {"completion_tokens": 1}},
+    lines = sse({"text": "a", "meta_info": {"completion_tokens": 2}},
                 {"text": "ab", "meta_info": {"completion_tokens": 7}},
                 {"text": "abc", "meta_info": {"completion_tokens": 256, "spec_accept_length": 6.4, "spec_verify_ct": 40}})
     got = bench.read_stream(lines, start=1.0, clock=lambda: next(ticks))
     assert got["ttft_ms"] == pytest.approx(100.0) and got["latency_ms"] == pytest.approx(1000.0)
     assert (got["output_tokens"], got["accept_len"], got["verify_steps"]) == (256, 6.4, 40)
+    assert got["first_chunk_tokens"] == 2  # the prefill's token and one more arrived together
 
 
 def test_stream_errors_are_raised():
