@@ -56,6 +56,7 @@ if [ -n "${AB_TREE:-}" ]; then
       > "/tmp/ab-$side.log" 2>&1 || status=1
     tail -n 8 "/tmp/ab-$side/results.md"
     cp "/tmp/ab-$side/run.json" "$OUT/ab-$side.json" 2>/dev/null
+    for f in /tmp/ab-"$side"/profiles/*.md; do [ -e "$f" ] && cp "$f" "$OUT/ab-$side-$(basename "$f")"; done
   done
 fi
 
