@@ -1,8 +1,10 @@
 """`qflash bench-kernels`: qflash's GEMMs against cuBLAS bf16, torch._int_mm and stock SGLang's int8 path, and
-qflash's GDN verify and fold against SGLang's at each state tile (`--gdn-only`: those alone).
+qflash's GDN verify and fold against SGLang's at each state tile, and qflash's short-prompt GDN prefill against
+SGLang's chunked one (`--gdn-only`: those alone).
 
 Every timing starts from bf16 activations (the int8 paths include their per-token quantization) and is
-GPU time with a cold L2 and no host overhead (`timing.cold_us`), as inside SGLang's CUDA graphs.
+GPU time with a cold L2 and no host overhead (`timing.cold_us`), as inside SGLang's CUDA graphs. The GDN
+prefill runs eagerly, so its host launch time (`timing.host_us`) is given too.
 """
 
 from pathlib import Path
@@ -10,8 +12,9 @@ from pathlib import Path
 import orjson
 import torch
 
+from qflash.kernels import gdn_prefill
 from qflash.kernels.per_token_quant import per_token_quant
-from qflash.kernels.timing import cold_us
+from qflash.kernels.timing import cold_us, host_us
 from qflash.kernels.shapes import DECODE_M, DRAFTER, LM_HEAD, PREFILL_M, TARGET, TARGET_COUNT
 from qflash.kernels.w8a16_argmax import w8a16_argmax
 from qflash.kernels.w8a16_gemm import w8a16_gemm
@@ -114,6 +117,36 @@ def gdn_row(batch: int) -> dict:
     return row
 
 
+GDN_PREFILL_TOKENS = (16, 64, 128, 256, 512, 1024)
+
+
+def gdn_prefill_row(tokens: int) -> dict:
+    """One GDN layer's prefill of a `tokens`-long prompt after the gating, at the Qwen3.5-4B heads: SGLang's
+    chunked path (`TritonGDNKernel.extend`) against qflash's recurrent one, GPU and host launch us."""
+    from sglang.srt.layers.attention.linear.kernels.gdn_triton import TritonGDNKernel
+
+    h, hv, d = 16, 32, 128
+    q, k = (torch.randn(1, tokens, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(1, tokens, hv, d, device="cuda", dtype=torch.bfloat16)
+    g = -torch.rand(1, tokens, hv, device="cuda") * 0.3
+    beta = torch.rand(1, tokens, hv, device="cuda")
+    args = dict(ssm_states=torch.zeros(2, hv, d, d, device="cuda"),
+                cache_indices=torch.ones(1, device="cuda", dtype=torch.int32),
+                query_start_loc=torch.tensor([0, tokens], device="cuda", dtype=torch.int32))
+    chunks = lambda: TritonGDNKernel().extend(q, k, v, g, beta, **args)  # this process loads no plugin
+    mine = lambda: gdn_prefill.prefill(q, k, v, g, beta, **args)
+    return {"tokens": tokens, "sglang_gpu_us": time_us(chunks), "sglang_host_us": host_us(chunks),
+            "qflash_gpu_us": time_us(mine), "qflash_host_us": host_us(mine)}
+
+
+def render_gdn_prefill(rows: list[dict]) -> str:
+    out = [f"GDN prefill, one layer (qflash's kernel takes prompts up to {gdn_prefill.MAX_TOKENS} tokens):", "",
+           "| tokens | SGLang chunks GPU / host us | qflash recurrent GPU / host us |", "| ---: | ---: | ---: |"]
+    out += [f"| {r['tokens']} | {_f(r['sglang_gpu_us'])} / {_f(r['sglang_host_us'])} "
+            f"| {_f(r['qflash_gpu_us'])} / {_f(r['qflash_host_us'])} |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
 def render_gdn(rows: list[dict]) -> str:
     tiles = " | ".join(f"qflash {bv} cols verify / fold us" for bv in GDN_TILES)
     out = [f"| requests | SGLang (32 cols) verify / fold us | {tiles} |", "| ---: |" + " ---: |" * (1 + len(GDN_TILES))]
@@ -148,11 +181,12 @@ def run_bench_kernels(out: Path, gdn_only: bool = False) -> int:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     gdn = [gdn_row(batch) for batch in (1, 8)]
+    prefill = [gdn_prefill_row(tokens) for tokens in GDN_PREFILL_TOKENS]
     head = f"{torch.cuda.get_device_name()}: `qflash bench-kernels --out {out}{' --gdn-only' if gdn_only else ''}`\n\n"
     if gdn_only:
-        table = head + render_gdn(gdn)
+        table = head + render_gdn(gdn) + "\n" + render_gdn_prefill(prefill)
         (out / "kernels.md").write_text(table)
-        (out / "kernels.json").write_bytes(orjson.dumps({"gdn": gdn}, option=orjson.OPT_INDENT_2))
+        (out / "kernels.json").write_bytes(orjson.dumps({"gdn": gdn, "gdn_prefill": prefill}, option=orjson.OPT_INDENT_2))
         print(table)
         return 0
     stock = _stock_path()
@@ -164,9 +198,10 @@ def run_bench_kernels(out: Path, gdn_only: bool = False) -> int:
     step = {"sglang_us": sum(TARGET_COUNT[g] * verify16[g]["sglang_int8_us"] for g in TARGET_COUNT),
             "qflash_us": sum(TARGET_COUNT[g] * verify16[g]["qflash_us"] for g in TARGET_COUNT),
             "worst_vs_sglang": min(r["vs_sglang"] for r in gemms if r["vs_sglang"] is not None)}
-    table = head + render(gemms, heads, step) + "\n" + render_gdn(gdn)
+    table = head + render(gemms, heads, step) + "\n" + render_gdn(gdn) + "\n" + render_gdn_prefill(prefill)
     (out / "kernels.md").write_text(table)
-    (out / "kernels.json").write_bytes(orjson.dumps({"gemms": gemms, "lm_head": heads, "verify_step": step, "gdn": gdn},
+    (out / "kernels.json").write_bytes(orjson.dumps({"gemms": gemms, "lm_head": heads, "verify_step": step, "gdn": gdn,
+                                                     "gdn_prefill": prefill},
                                                     option=orjson.OPT_INDENT_2))
     print(table)
     return 0

@@ -1,4 +1,5 @@
-"""GPU time of one call with a cold L2 and no host overhead, for the tuner and `qflash bench-kernels`.
+"""GPU time of one call with a cold L2 and no host overhead, for the tuner and `qflash bench-kernels`; and the
+host time of an eager call, for kernels that run outside CUDA graphs.
 
 Timing eager calls measures Python dispatch (tens of microseconds) as much as the kernel, and
 repeating a call over one buffer measures L2 (60 MB on the H200, larger than most weights here).
@@ -7,6 +8,7 @@ without the calls is timed too, and the difference per call is the answer (CUDA 
 """
 
 import statistics
+import time
 from functools import lru_cache
 
 import torch
@@ -58,3 +60,15 @@ def cold_us(fn, reps: int = 10, rounds: int = 7) -> float:
     took = _replay_ms(graph, rounds)
     del graph
     return max(took - _flush_only_ms(reps, rounds), 0.0) / reps * 1e3
+
+
+def host_us(fn, calls: int = 50) -> float:
+    """Host microseconds to launch fn() eagerly: `calls` calls queued without waiting for the GPU."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    took = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return took / calls * 1e6

@@ -30,6 +30,7 @@ def register() -> None:
     patches.apply_gdn_fold_commit()
     patches.apply_conv_update_tiles()
     patches.apply_gdn_verify_tiles()
+    patches.apply_short_gdn_prefill()
     ModelRegistry.register(MODEL_PACKAGE, overwrite=True, strict=True)
     QUANTIZATION_METHODS[NAME] = QflashW8A8Config
     if NAME not in QUANTIZATION_CHOICES:

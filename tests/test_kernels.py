@@ -195,6 +195,16 @@ def test_bench_kernels_gdn_table_renders():
     assert "| 1 | 29.9 / 56.0 | 14.0 / - | 18.0 / - | 26.0 / - | 42.0 / - |" in table
 
 
+def test_bench_kernels_gdn_prefill_table_renders():
+    from qflash.kernels.bench import render_gdn_prefill
+    from qflash.kernels.gdn_prefill import MAX_TOKENS
+
+    table = render_gdn_prefill([{"tokens": 64, "sglang_gpu_us": 37.0, "sglang_host_us": 668.7, "qflash_gpu_us": 70.5,
+                                 "qflash_host_us": None}])
+    assert f"up to {MAX_TOKENS} tokens" in table.splitlines()[0]
+    assert "| 64 | 37.0 / 668.7 | 70.5 / - |" in table
+
+
 def test_bench_kernels_table_renders():
     from qflash.kernels.bench import render
 

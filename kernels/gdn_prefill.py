@@ -1,0 +1,88 @@
+"""Gated-DeltaNet prefill of short prompts as one recurrent kernel, in place of SGLang's chunked path.
+
+SGLang 0.5.17 prefills a GDN layer with FLA's chunked kernels (`chunk_gated_delta_rule`: two l2-norms, a
+cumsum, the intra-chunk solve, the chunk states, the output), launched eagerly between the pieces of the
+prefill graph. On the H200's host that costs 0.4-0.65 ms per layer for ~40 us of GPU work at 64 tokens: a
+short prompt waits 10-16 ms on launches alone in 24 layers. One recurrent kernel over the prompt, on the
+GDN verify's state tile (kernels/gdn_verify.py), launches once; its GPU time grows with the prompt's
+length (one step per token), so it serves prompts up to `MAX_TOKENS`.
+
+It is the chunked path's contract: reads each request's state from its slot, writes the final state back
+in place, and returns the output and the chunk states `h` (the state before every 64-token chunk, which
+the prefix cache's tracking copies from).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from qflash.kernels.gdn_verify import _l2_normalize, _update
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gdn_prefill_kernel(q, k, v, g, beta, o, h, state, slots, cu_seqlens, scale, T, stride_q, stride_k, stride_v,
+                        stride_state, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                        BV: tl.constexpr, CHUNK: tl.constexpr):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    i_h = i_hv // (HV // H)
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    chunk0 = (bos * 0).to(tl.int64)  # this request's first chunk in h: the chunks of the requests before it
+    for j in range(0, i_n):
+        chunk0 += (tl.load(cu_seqlens + j + 1) - tl.load(cu_seqlens + j) + CHUNK - 1) // CHUNK
+
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    tile = i_hv * K * V + o_v[None, :] * K + o_k[:, None]
+    p_state = state + tl.load(slots + i_n).to(tl.int64) * stride_state + tile
+    p_h = h + chunk0 * HV * K * V + tile
+    p_q = q + bos * stride_q + i_h * K + o_k
+    p_k = k + bos * stride_k + i_h * K + o_k
+    p_v = v + bos * stride_v + i_hv * V + o_v
+    p_gb = bos * HV + i_hv
+    p_o = o + (bos * HV + i_hv) * V + o_v
+
+    b_h = tl.load(p_state)
+    for step in range(0, eos - bos):
+        if step % CHUNK == 0:
+            tl.store(p_h, b_h.to(p_h.dtype.element_ty))
+            p_h += HV * K * V
+        b_qn = _l2_normalize(tl.load(p_q).to(tl.float32)) * scale
+        b_kn = _l2_normalize(tl.load(p_k).to(tl.float32))
+        b_h = _update(b_h, b_kn, tl.load(p_v).to(tl.float32), tl.load(g + p_gb), tl.load(beta + p_gb))
+        tl.store(p_o, tl.sum(b_h * b_qn[:, None], 0).to(p_o.dtype.element_ty))
+        p_q += stride_q
+        p_k += stride_k
+        p_v += stride_v
+        p_gb += HV
+        p_o += HV * V
+    tl.store(p_state, b_h)
+
+
+def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            ssm_states: torch.Tensor, cache_indices: torch.Tensor, query_start_loc: torch.Tensor,
+            scale: float | None = None, config: dict | None = None) -> tuple[torch.Tensor, None, torch.Tensor]:
+    """SGLang's `TritonGDNKernel.extend` (l2-normalized q and k): q, k [1, T, H, K], v [1, T, HV, V], g and
+    beta [1, T, HV] fp32 from the gating, the fp32 state pool [slots, HV, V, K] updated in place at
+    cache_indices. Returns (o [1, T, HV, V], None, h [1, chunks, HV, V, K]) as the chunked path does."""
+    config = config or CONFIG
+    _, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    if K != triton.next_power_of_2(K) or V % config["BV"]:
+        raise ValueError(f"GDN heads of {K} keys x {V} values do not fit the {K} x {config['BV']} state tile")
+    requests = len(query_start_loc) - 1
+    chunks = T // CHUNK + requests  # room for each request's ceil(len / CHUNK); the tracking reads only those
+    o = q.new_empty(v.shape)
+    h = k.new_empty(1, chunks, HV, V, K)
+    _gdn_prefill_kernel[(V // config["BV"], requests * HV)](
+        q, k, v, g, beta, o, h, ssm_states, cache_indices, query_start_loc, K ** -0.5 if scale is None else scale, T,
+        q.stride(1), k.stride(1), v.stride(1), ssm_states.stride(0), H=H, HV=HV, K=K, V=V, CHUNK=CHUNK, **config)
+    return o, None, h
+
+
+CHUNK = 64  # FLA's chunk: h holds the state before every CHUNK tokens of each request, as the chunked path's
+# Prompts up to MAX_TOKENS (all requests of the batch together) take this kernel, longer ones SGLang's chunks.
+# `qflash bench-kernels --gdn-only` on the H200, per layer: this kernel's GPU time grows 0.92 us per token
+# (61.7 us at 64, 235.9 at 256, 469.0 at 512) at 35 us of host; the chunks launch in 360-500 us of host.
+MAX_TOKENS = 256
+CONFIG = {"BV": 4, "num_warps": 1, "num_stages": 3}  # the GDN verify's tile for one request (gdn_verify.CONFIGS)

@@ -1,0 +1,127 @@
+"""qflash's recurrent GDN prefill of short prompts (kernels/gdn_prefill.py, routed by patches.apply_short_gdn_prefill).
+
+In one process: a float64 recurrence of the gated delta rule is the reference; then qflash's plugin is loaded
+and SGLang's `TritonGDNKernel.extend` (as the GDN backend calls it) reaches qflash's kernel. Checked: the
+output, the final state written to each request's slot and the chunk states `h` against the reference, other
+slots untouched, and the call equal to the kernel's own launch. On the GPU also SGLang's chunked path at the
+real shape: its error against the reference bounds qflash's, and a prompt over MAX_TOKENS still runs it bit
+for bit. CPU: Triton's interpreter in fp32 on small heads (its bf16 arithmetic is wrong).
+"""
+
+import json
+
+import pytest
+import torch
+
+from conftest import run_python
+
+PREFILL = """
+import json, sys, torch
+from sglang.srt.layers.attention.linear.kernels.gdn_triton import TritonGDNKernel
+
+dev, H, HV, K, V, *lens = sys.argv[1], *map(int, sys.argv[2:])
+cuda = dev == "cuda"
+dtype = torch.bfloat16 if cuda else torch.float32
+CHUNK, SLOTS, T = 64, 2 * len(lens) + 2, sum(lens)
+gen = torch.Generator(device=dev).manual_seed(0)
+rand = lambda *shape, dt=dtype: torch.randn(*shape, device=dev, dtype=dt, generator=gen)
+q, k, v = rand(1, T, H, K), rand(1, T, H, K), rand(1, T, HV, V)
+g = -torch.rand(1, T, HV, device=dev, generator=gen) * 0.3
+beta = torch.sigmoid(rand(1, T, HV, dt=torch.float32))
+pool = rand(SLOTS, HV, V, K, dt=torch.float32) * 0.1
+slots = torch.arange(1, 2 * len(lens), 2, device=dev, dtype=torch.int32)
+cu = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
+
+def reference():
+    out, states, h = torch.zeros(1, T, HV, V, dtype=torch.float64), {}, []
+    qn = torch.nn.functional.normalize(q.double().cpu(), dim=-1, eps=0) * K ** -0.5
+    kn = torch.nn.functional.normalize(k.double().cpu(), dim=-1, eps=0)
+    for n, slot in enumerate(slots.tolist()):
+        S = pool[slot].double().cpu().clone()  # [HV, V, K]
+        for t in range(int(cu[n]), int(cu[n + 1])):
+            if (t - int(cu[n])) % CHUNK == 0:
+                h.append(S.clone())
+            for hv in range(HV):
+                i_h = hv // (HV // H)
+                S[hv] *= torch.exp(g[0, t, hv].double().cpu())
+                u = (v[0, t, hv].double().cpu() - S[hv] @ kn[0, t, i_h]) * beta[0, t, hv].double().cpu()
+                S[hv] += u[:, None] * kn[0, t, i_h][None, :]
+                out[0, t, hv] = S[hv] @ qn[0, t, i_h]
+        states[slot] = S
+    return out, states, torch.stack(h)[None]
+
+def extend(state, q=q, k=k, v=v, g=g, beta=beta, cu=cu):
+    return TritonGDNKernel().extend(q, k, v, g, beta, ssm_states=state, cache_indices=slots, query_start_loc=cu,
+                                    state_checkpoint_cu_starts=None, num_state_checkpoints=0,
+                                    state_checkpoint_every_n_tokens=0)
+
+def rel(x, y):
+    return ((x.double().cpu() - y.double().cpu()).norm() / y.double().cpu().norm()).item()
+
+ref_o, ref_states, ref_h = reference()
+result = {}
+if cuda:
+    stock_pool = pool.clone()
+    stock_o, _, stock_h = extend(stock_pool)
+    result["stock errors"] = [rel(stock_o, ref_o), max(rel(stock_pool[s], ref_states[s]) for s in ref_states),
+                              rel(stock_h[:, :ref_h.shape[1]], ref_h)]
+    long_len = 512
+    long = dict(q=rand(1, long_len, H, K), k=rand(1, long_len, H, K), v=rand(1, long_len, HV, V),
+                g=-torch.rand(1, long_len, HV, device=dev, generator=gen) * 0.3,
+                beta=torch.sigmoid(rand(1, long_len, HV, dt=torch.float32)),
+                cu=torch.tensor([0, long_len - 100, long_len][:len(lens) + 1], device=dev, dtype=torch.int32))
+    stock_long_pool = pool.clone()
+    stock_long = extend(stock_long_pool, **long)[0]
+
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from qflash.kernels import gdn_prefill
+
+mine_pool = pool.clone()
+mine_o, none, mine_h = extend(mine_pool)
+own_pool = pool.clone()
+own_o = gdn_prefill.prefill(q, k, v, g, beta, own_pool, slots, cu)[0]
+others = [s for s in range(SLOTS) if s not in ref_states]
+result.update({
+    "routed": torch.equal(mine_o, own_o) and torch.equal(mine_pool, own_pool),
+    "errors": [rel(mine_o, ref_o), max(rel(mine_pool[s], ref_states[s]) for s in ref_states),
+               rel(mine_h[:, :ref_h.shape[1]], ref_h)],
+    "no final state returned": none is None,
+    "others untouched": torch.equal(mine_pool[others], pool[others]),
+    "finite": bool(mine_o.isfinite().all()),
+})
+if cuda:
+    long_pool = pool.clone()
+    result["long prompt runs SGLang's chunks"] = (torch.equal(extend(long_pool, **long)[0], stock_long)
+                                                  and torch.equal(long_pool, stock_long_pool))
+print(json.dumps(result))
+"""
+
+
+def prefill(device: str, h: int, hv: int, k: int, v: int, *lens: int) -> dict:
+    interpret = {"TRITON_INTERPRET": "1"} if device == "cpu" else {}
+    result = run_python(PREFILL, device, *map(str, (h, hv, k, v, *lens)), env={"SGLANG_PLUGINS": "qflash", **interpret},
+                        timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def check(got: dict, tolerance: float) -> None:
+    assert got["routed"], "TritonGDNKernel.extend of a short prompt runs qflash's prefill"
+    assert got["finite"] and got["no final state returned"] and got["others untouched"]
+    assert max(got["errors"]) <= tolerance, got["errors"]
+
+
+@pytest.mark.parametrize("lens", [(70,), (70, 5)])  # one request over a chunk boundary; two requests
+def test_short_prefill(lens):
+    check(prefill("cpu", 2, 4, 32, 16, *lens), 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("lens", [(64,), (150, 37)])
+def test_short_prefill_at_the_real_shape_gpu(lens):
+    got = prefill("cuda", 16, 32, 128, 128, *lens)
+    print(f"\nGDN prefill errors against float64, qflash {got['errors']}, SGLang's chunks {got['stock errors']}")
+    check(got, 2 * max(got["stock errors"]) + 1e-3)
+    assert got["long prompt runs SGLang's chunks"]
