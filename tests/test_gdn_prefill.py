@@ -125,3 +125,26 @@ def test_short_prefill_at_the_real_shape_gpu(lens):
     print(f"\nGDN prefill errors against float64, qflash {got['errors']}, SGLang's chunks {got['stock errors']}")
     check(got, 2 * max(got["stock errors"]) + 1e-3)
     assert got["long prompt runs SGLang's chunks"]
+
+
+ROUTE = """
+import torch
+from sglang.srt.plugins import load_plugins
+from sglang.srt.layers.attention.linear.kernels.gdn_triton import TritonGDNKernel
+
+load_plugins()
+x = torch.zeros(1, 8, 2, 32)
+TritonGDNKernel().extend(x, x, torch.zeros(1, 8, 4, 16), torch.zeros(1, 8, 4), torch.zeros(1, 8, 4),
+                         ssm_states=torch.zeros(2, 4, 16, 32), cache_indices=torch.ones(1, dtype=torch.int32),
+                         query_start_loc=torch.tensor([0, 8], dtype=torch.int32))
+print("ran")
+"""
+
+
+def test_the_limit_comes_from_the_environment():
+    # An 8-token prompt: qflash's kernel runs it by default; with the limit at 0 it reaches SGLang's chunked
+    # path, which refuses fp32 inputs before launching anything (the only dtype Triton interprets correctly).
+    env = {"SGLANG_PLUGINS": "qflash", "TRITON_INTERPRET": "1"}
+    assert run_python(ROUTE, env=env).stdout.strip().endswith("ran")
+    chunked = run_python(ROUTE, env={**env, "QFLASH_GDN_PREFILL_MAX_TOKENS": "0"})
+    assert chunked.returncode != 0 and "does not support float32" in chunked.stderr, chunked.stderr[-2000:]
