@@ -18,18 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
-from qflash.kernels.gdn_verify import _l2_normalize, _update
+from qflash.kernels.gdn_verify import _l2_normalize, _program_sequence, _update
 
 
 @triton.jit(do_not_specialize=["T"])
 def _gdn_prefill_kernel(q, k, v, g, beta, o, h, state, slots, cu_seqlens, scale, T, stride_q, stride_k, stride_v,
                         stride_state, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         BV: tl.constexpr, CHUNK: tl.constexpr):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // H)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
-    chunk0 = (bos * 0).to(tl.int64)  # this request's first chunk in h: the chunks of the requests before it
+    i_v, i_n, i_hv, i_h, bos, eos = _program_sequence(cu_seqlens, H, HV)
+    chunk0 = bos * 0  # this request's first chunk in h: the chunks of the requests before it
     for j in range(0, i_n):
         chunk0 += (tl.load(cu_seqlens + j + 1) - tl.load(cu_seqlens + j) + CHUNK - 1) // CHUNK
 

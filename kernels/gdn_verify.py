@@ -31,16 +31,22 @@ def _update(b_h, b_kn, b_v, b_g, b_beta):
     return b_h
 
 
+@triton.jit
+def _program_sequence(cu_seqlens, H: tl.constexpr, HV: tl.constexpr):
+    """This program's value-column tile, request, value head and key head, and the request's tokens [bos, eos)."""
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_hv = i_nh // HV, i_nh % HV
+    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    return i_v, i_n, i_hv, i_hv // (HV // H), bos, eos
+
+
 @triton.jit(do_not_specialize=["T"])
 def _gdn_verify_kernel(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b, o, h0_source, h0_indices,
                    stride_h0_source, cu_seqlens, scale, T, stride_a, stride_q, stride_k, stride_v, stride_b,
                    rawv, rawk, ring_g, ring_beta, stride_rawv_slot, stride_rawk_slot, stride_g_slot,
                    stride_beta_slot, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BV: tl.constexpr, MAX_CACHE_LEN: tl.constexpr):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_hv = i_nh // HV, i_nh % HV
-    i_h = i_hv // (HV // H)
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    i_v, i_n, i_hv, i_h, bos, eos = _program_sequence(cu_seqlens, H, HV)
     T = eos - bos  # this sequence's steps; the argument is all sequences' (unspecialized, as SGLang's)
 
     o_k = tl.arange(0, K)
