@@ -1,6 +1,7 @@
 """`qflash bench-kernels`: qflash's GEMMs against cuBLAS bf16, torch._int_mm and stock SGLang's int8 path, and
-qflash's GDN verify and fold against SGLang's at each state tile, and qflash's short-prompt GDN prefill against
-SGLang's chunked one (`--gdn-only`: those alone).
+qflash's GDN verify and fold against SGLang's at each state tile, qflash's short-prompt GDN prefill against
+SGLang's chunked one, and a fresh prompt's prefill attention on torch's SDPA against SGLang's Triton extend kernel
+(`--skip-gemms`: all but the GEMM and lm_head tables).
 
 Every timing starts from bf16 activations (the int8 paths include their per-token quantization) and is
 GPU time with a cold L2 and no host overhead (`timing.cold_us`), as inside SGLang's CUDA graphs. The GDN
@@ -19,6 +20,7 @@ from qflash.kernels.shapes import DECODE_M, DRAFTER, LM_HEAD, PREFILL_M, TARGET,
 from qflash.kernels.w8a16_argmax import w8a16_argmax
 from qflash.kernels.w8a16_gemm import w8a16_gemm
 from qflash.kernels.w8a8_gemm import w8a8_gemm
+from qflash.server.flash_prefill import flash_prefill
 
 HBM_TBPS = 4.3  # device-to-device copy rate measured on the H200 (read + write)
 
@@ -147,6 +149,37 @@ def render_gdn_prefill(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+PREFILL_ATTENTION_TOKENS = (512, 2048, 8192)
+
+
+def prefill_attention_row(tokens: int) -> dict:
+    """One target full-attention layer's prefill of a fresh `tokens`-long prompt (16 query heads, 4 KV heads,
+    dim 256): SGLang's Triton extend kernel against torch's SDPA (server/flash_prefill.py), GPU us and TFLOP/s."""
+    from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+
+    heads, kv_heads, dim = 16, 4, 256
+    q = torch.randn(tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    o = torch.empty_like(q)
+    empty = torch.zeros(0, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    args = (q, k, v, o, empty, empty, torch.tensor([0, tokens], device="cuda", dtype=torch.int32),
+            torch.zeros(2, device="cuda", dtype=torch.int32), torch.zeros(0, device="cuda", dtype=torch.int64),
+            None, True, None, tokens, 1.0, 1.0, dim ** -0.5)
+    sglang_us = time_us(lambda: extend_attention_fwd(*args))
+    sdpa_us = time_us(lambda: flash_prefill(None, *args))
+    flop = 4 * heads * dim * tokens * (tokens + 1) / 2
+    return {"tokens": tokens, "sglang_us": sglang_us, "sdpa_us": sdpa_us,
+            "sglang_tflops": flop / sglang_us / 1e6, "sdpa_tflops": flop / sdpa_us / 1e6}
+
+
+def render_prefill_attention(rows: list[dict]) -> str:
+    out = ["Prefill attention of a fresh prompt, one target layer (16 / 4 heads, dim 256):", "",
+           "| tokens | SGLang Triton extend us (TFLOP/s) | torch SDPA us (TFLOP/s) |", "| ---: | ---: | ---: |"]
+    out += [f"| {r['tokens']} | {_f(r['sglang_us'])} ({r['sglang_tflops']:.0f}) | {_f(r['sdpa_us'])} ({r['sdpa_tflops']:.0f}) |"
+            for r in rows]
+    return "\n".join(out) + "\n"
+
+
 def render_gdn(rows: list[dict]) -> str:
     tiles = " | ".join(f"qflash {bv} cols verify / fold us" for bv in GDN_TILES)
     out = [f"| requests | SGLang (32 cols) verify / fold us | {tiles} |", "| ---: |" + " ---: |" * (1 + len(GDN_TILES))]
@@ -177,31 +210,28 @@ def render(gemms: list[dict], heads: list[dict], step: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def run_bench_kernels(out: Path, gdn_only: bool = False) -> int:
+def run_bench_kernels(out: Path, skip_gemms: bool = False) -> int:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    gdn = [gdn_row(batch) for batch in (1, 8)]
-    prefill = [gdn_prefill_row(tokens) for tokens in GDN_PREFILL_TOKENS]
-    head = f"{torch.cuda.get_device_name()}: `qflash bench-kernels --out {out}{' --gdn-only' if gdn_only else ''}`\n\n"
-    if gdn_only:
-        table = head + render_gdn(gdn) + "\n" + render_gdn_prefill(prefill)
-        (out / "kernels.md").write_text(table)
-        (out / "kernels.json").write_bytes(orjson.dumps({"gdn": gdn, "gdn_prefill": prefill}, option=orjson.OPT_INDENT_2))
-        print(table)
-        return 0
-    stock = _stock_path()
-    jobs = ([("verify", m, s) for s in TARGET for m in DECODE_M] + [("draft", m, s) for s in DRAFTER for m in DECODE_M]
-            + [("prefill", m, s) for s in TARGET + DRAFTER for m in PREFILL_M])
-    gemms = [gemm_row(phase, name, m, n, k, stock) for phase, m, (name, n, k) in jobs]
-    heads = [lm_head_row(m) for m in DECODE_M]
-    verify16 = {r["gemm"]: r for r in gemms if r["phase"] == "verify" and r["M"] == 16}
-    step = {"sglang_us": sum(TARGET_COUNT[g] * verify16[g]["sglang_int8_us"] for g in TARGET_COUNT),
-            "qflash_us": sum(TARGET_COUNT[g] * verify16[g]["qflash_us"] for g in TARGET_COUNT),
-            "worst_vs_sglang": min(r["vs_sglang"] for r in gemms if r["vs_sglang"] is not None)}
-    table = head + render(gemms, heads, step) + "\n" + render_gdn(gdn) + "\n" + render_gdn_prefill(prefill)
+    data = {"gdn": [gdn_row(batch) for batch in (1, 8)],
+            "gdn_prefill": [gdn_prefill_row(tokens) for tokens in GDN_PREFILL_TOKENS],
+            "prefill_attention": [prefill_attention_row(tokens) for tokens in PREFILL_ATTENTION_TOKENS]}
+    tables = [render_gdn(data["gdn"]), render_gdn_prefill(data["gdn_prefill"]), render_prefill_attention(data["prefill_attention"])]
+    if not skip_gemms:
+        stock = _stock_path()
+        jobs = ([("verify", m, s) for s in TARGET for m in DECODE_M] + [("draft", m, s) for s in DRAFTER for m in DECODE_M]
+                + [("prefill", m, s) for s in TARGET + DRAFTER for m in PREFILL_M])
+        gemms = [gemm_row(phase, name, m, n, k, stock) for phase, m, (name, n, k) in jobs]
+        heads = [lm_head_row(m) for m in DECODE_M]
+        verify16 = {r["gemm"]: r for r in gemms if r["phase"] == "verify" and r["M"] == 16}
+        step = {"sglang_us": sum(TARGET_COUNT[g] * verify16[g]["sglang_int8_us"] for g in TARGET_COUNT),
+                "qflash_us": sum(TARGET_COUNT[g] * verify16[g]["qflash_us"] for g in TARGET_COUNT),
+                "worst_vs_sglang": min(r["vs_sglang"] for r in gemms if r["vs_sglang"] is not None)}
+        data.update(gemms=gemms, lm_head=heads, verify_step=step)
+        tables.insert(0, render(gemms, heads, step))
+    table = f"{torch.cuda.get_device_name()}: `qflash bench-kernels --out {out}{' --skip-gemms' if skip_gemms else ''}`\n\n"
+    table += "\n".join(tables)
     (out / "kernels.md").write_text(table)
-    (out / "kernels.json").write_bytes(orjson.dumps({"gemms": gemms, "lm_head": heads, "verify_step": step, "gdn": gdn,
-                                                     "gdn_prefill": prefill},
-                                                    option=orjson.OPT_INDENT_2))
+    (out / "kernels.json").write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
     print(table)
     return 0

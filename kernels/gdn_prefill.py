@@ -80,9 +80,9 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
 
 
 CHUNK = 64  # FLA's chunk: h holds the state before every CHUNK tokens of each request, as the chunked path's
-# Prompts up to MAX_TOKENS (all requests of the batch together) take this kernel, longer ones SGLang's chunks.
-# `qflash bench-kernels --gdn-only` on the H200, per layer: this kernel's GPU time grows 0.92 us per token
-# (61.7 us at 64, 235.9 at 256, 469.0 at 512) at 35 us of host; the chunks launch in 360-500 us of host, which
+# Prompts up to MAX_TOKENS (all requests of the batch together) take this kernel, longer ones SGLang's chunks. `qflash
+# bench-kernels --skip-gemms` (then `--gdn-only`) on the H200, per layer: this kernel's GPU time grows 0.92 us per
+# token (61.7 us at 64, 235.9 at 256, 469.0 at 512) at 35 us of host; the chunks launch in 360-500 us of host, which
 # depends on the host, so QFLASH_GDN_PREFILL_MAX_TOKENS moves the limit (0: always SGLang's chunks).
 MAX_TOKENS = int(os.environ.get("QFLASH_GDN_PREFILL_MAX_TOKENS", "256"))
 CONFIG = {"BV": 4, "num_warps": 1, "num_stages": 3}  # the GDN verify's tile for one request (gdn_verify.CONFIGS)

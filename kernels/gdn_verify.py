@@ -188,8 +188,8 @@ def config_for(requests: int) -> dict:
     return CONFIGS[min((n for n in CONFIGS if n >= requests), default=max(CONFIGS))]
 
 
-# The state tile both kernels run, by requests in the batch: BV value columns of all K keys, one warp (its
-# reduction trees are the bits). `qflash bench-kernels --gdn-only` on the H200, verify / fold us (SGLang's 32
-# columns: 33.3 / 46.4 at 1 request, 48.5 / 55.3 at 8): 1 request, 4 columns 18.4 / 15.5 (8: 26.5 / 21.8,
-# 16: 25.3 / 21.0); 8 requests, 16 columns 45.3 / 32.0 (4: 64.8 / 36.4, 8: 61.2 / 44.4, 32: 47.6 / 33.9).
+# The state tile both kernels run, by requests in the batch: BV value columns of all K keys, one warp (its reduction
+# trees are the bits). `qflash bench-kernels --skip-gemms` (then `--gdn-only`) on the H200, verify / fold us (SGLang's
+# 32 columns: 33.3 / 46.4 at 1 request, 48.5 / 55.3 at 8): 1 request, 4 columns 18.4 / 15.5 (8: 26.5 / 21.8, 16: 25.3
+# / 21.0); 8 requests, 16 columns 45.3 / 32.0 (4: 64.8 / 36.4, 8: 61.2 / 44.4, 32: 47.6 / 33.9).
 CONFIGS = {1: {"BV": 4, "num_warps": 1, "num_stages": 3}, 8: {"BV": 16, "num_warps": 1, "num_stages": 3}}

@@ -66,7 +66,7 @@ def _profile(args: argparse.Namespace, extra: list[str]) -> int:
 def _bench_kernels(args: argparse.Namespace, extra: list[str]) -> int:
     from qflash.kernels.bench import run_bench_kernels
 
-    return run_bench_kernels(args.out, gdn_only=args.gdn_only)
+    return run_bench_kernels(args.out, skip_gemms=args.skip_gemms)
 
 
 def _eval(args: argparse.Namespace, extra: list[str]) -> int:
@@ -138,9 +138,10 @@ def parser() -> argparse.ArgumentParser:
     f.set_defaults(func=_profile, passthrough=True)
 
     k = sub.add_parser("bench-kernels", help="qflash GEMMs vs cuBLAS bf16, torch._int_mm and SGLang int8, and the GDN "
-                                             "verify and fold vs SGLang's (GPU)")
+                                             "verify, fold and prefill and the prefill attention vs SGLang's (GPU)")
     k.add_argument("--out", type=Path, required=True, help="folder for kernels.md and kernels.json")
-    k.add_argument("--gdn-only", action="store_true", help="only the GDN verify and fold, at each state tile")
+    k.add_argument("--skip-gemms", action="store_true",
+                   help="all but the GEMM and lm_head tables: GDN verify, fold and prefill, prefill attention")
     k.set_defaults(func=_bench_kernels, passthrough=False)
 
     from qflash.server.eval import GATES, parse_gate

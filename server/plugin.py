@@ -26,6 +26,7 @@ def register() -> None:
     patches.apply_int8_lm_head_draft_pick()
     patches.apply_graph_monitor()
     patches.apply_block_attention()
+    patches.apply_flash_prefill_attention()
     patches.apply_dflash_radix_cache_fixes()
     patches.apply_gdn_fold_commit()
     patches.apply_conv_update_tiles()

@@ -4,7 +4,7 @@
 #   TESTS="pytest args"    default "-m gpu tests" (all GPU tests); TESTS=0 skips
 #   EVAL_DEPS=1            install lm-eval offline for tests/test_eval_gpu.py (carry .gpu-eval too:
 #                          tests/fetch_eval_deps.sh makes it here, 15.3 MiB)
-#   BENCH_KERNELS=1        qflash bench-kernels $BENCH_KERNELS_ARGS (e.g. --gdn-only)
+#   BENCH_KERNELS=1        qflash bench-kernels $BENCH_KERNELS_ARGS (e.g. --skip-gemms)
 #   AB_TREE=.ab            qflash bench --systems qflash $AB_ARGS from another tree, then from the checkout, on one
 #                          machine (a diagnostic: no stock row). Make it with `git archive REF | tar -x -C .ab`
 #                          (git-ignored) and carry it too

@@ -280,3 +280,11 @@ def test_every_table_config_compiles_for_sm90():
     assert all(c in [d[1] for d in done] for c in tables)
     # int8 tiles of 64+ rows use Hopper's wgmma; decode tiles of 16-32 rows use mma.sync.
     assert all(wgmma == (c["BLOCK_M"] >= 64) for kernel, c, wgmma in done if kernel == "w8a8_gemm")
+
+
+def test_bench_kernels_prefill_attention_table_renders():
+    from qflash.kernels.bench import render_prefill_attention
+
+    table = render_prefill_attention([{"tokens": 8192, "sglang_us": 4750.0, "sdpa_us": 1500.0,
+                                       "sglang_tflops": 115.8, "sdpa_tflops": 366.6}])
+    assert "| 8192 | 4750.0 (116) | 1500.0 (367) |" in table
