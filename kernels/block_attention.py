@@ -165,8 +165,11 @@ def block_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, 
 
 
 # (head dim, value head dim) -> prefix-split launch config: Qwen3.5-4B's target (256, 4 KV heads) and the
-# DFlash drafter (128, 8 KV heads); about 128 programs per request.
+# DFlash drafter (128, 8 KV heads). A sweep of NSPLIT 16-128, BLOCK_N 32/64, 4/8 warps on the H200 (cold L2, one
+# request; .gpu diagnostic, tenth session), us per layer at prefixes 64 / 2,048 / 8,192: target 12.5 / 46.3 / 63.1
+# with the previous NSPLIT=32, BLOCK_N=32 -> 33.9 at 2,048 and 59.1 at 8,192 with this one (the sweep's best there;
+# at 64 not among its best four, 11.7-12.7 us); drafter 22.9 / 43.9 -> 21.7 / 40.6 at 2,048 / 8,192 (best there).
 CONFIGS = {
-    (256, 256): dict(NSPLIT=32, BLOCK_N=32, num_warps=8, num_stages=2),
-    (128, 128): dict(NSPLIT=16, BLOCK_N=64, num_warps=4, num_stages=2),
+    (256, 256): dict(NSPLIT=16, BLOCK_N=64, num_warps=8, num_stages=2),
+    (128, 128): dict(NSPLIT=16, BLOCK_N=64, num_warps=8, num_stages=2),
 }
