@@ -2,7 +2,7 @@
 
 Verify and draft forwards attend K = 16 new tokens to the whole context. SGLang's Triton extend kernel
 walks the cached prefix serially with one program per (request, head): 16 programs for the target at
-batch 1, so an 8,192-token context takes ~0.8 ms per layer. Here the prefix is split across NSPLIT
+batch 1, however long the context. Here the prefix is split across NSPLIT
 programs per (request, KV head), flash-decoding style, each reading its keys once for all the query heads
 that share them; a second kernel merges the splits' partial softmax sums and adds the block's own keys (causal for the target, bidirectional for the DFlash drafter), with the
 same sliding-window rule as SGLang's kernel. Its signature is that of SGLang's `verify_splitkv_fwd` (the
@@ -165,10 +165,7 @@ def block_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, 
 
 
 # (head dim, value head dim) -> prefix-split launch config: Qwen3.5-4B's target (256, 4 KV heads) and the
-# DFlash drafter (128, 8 KV heads). A sweep of NSPLIT 16-128, BLOCK_N 32/64, 4/8 warps on the H200 (cold L2, one
-# request; .gpu diagnostic, tenth session), us per layer at prefixes 64 / 2,048 / 8,192: target 12.5 / 46.3 / 63.1
-# with the previous NSPLIT=32, BLOCK_N=32 -> 33.9 at 2,048 and 59.1 at 8,192 with this one (the sweep's best there;
-# at 64 not among its best four, 11.7-12.7 us); drafter 22.9 / 43.9 -> 21.7 / 40.6 at 2,048 / 8,192 (best there).
+# DFlash drafter (128, 8 KV heads), the best of a sweep on the H200 at long prefixes (BENCHMARKS.md).
 CONFIGS = {
     (256, 256): dict(NSPLIT=16, BLOCK_N=64, num_warps=8, num_stages=2),
     (128, 128): dict(NSPLIT=16, BLOCK_N=64, num_warps=8, num_stages=2),

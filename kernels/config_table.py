@@ -1,17 +1,24 @@
-"""Static launch-config tables: how the GEMM launchers look configs up and how the tuner writes them.
+"""Static launch-config tables: how the GEMM launchers look their configs up.
 
-A table maps (phase, M bucket, N, K) to Triton launch parameters. It is the last statement of its
-kernel file, `CONFIGS = {...}`, written there by `python -m qflash.kernels.tune`; nothing is tuned
-while serving. An M between buckets takes the next larger bucket's config.
+A table maps (phase, M bucket, N, K) to Triton launch parameters. It is the last statement of its kernel file,
+`CONFIGS = {...}`, written there by `qflash tune` on the GPU it serves; nothing is tuned while serving. An M
+between buckets takes the next larger bucket's config.
 """
 
-import re
-from pathlib import Path
-
-from qflash.kernels.shapes import DECODE_M, PREFILL_M
+from qflash.server.preset import BLOCK_SIZE, MAX_RUNNING_REQUESTS, PROMPT_BUCKETS
 
 PHASES = ("prefill", "verify", "draft", "lm_head")
+# Decode GEMMs (a verify or draft block of 1 to MAX_RUNNING_REQUESTS requests) in power-of-two batches; any larger
+# M is a prefill, tuned at the benchmark's prompt lengths.
+DECODE_M = tuple(BLOCK_SIZE << i for i in range(MAX_RUNNING_REQUESTS.bit_length()))
+DECODE_MAX_M = DECODE_M[-1]
+PREFILL_M = PROMPT_BUCKETS
 M_BUCKETS = {"prefill": PREFILL_M, "verify": DECODE_M, "draft": DECODE_M, "lm_head": DECODE_M}
+
+
+def gemm_phase(decode_phase: str, m: int) -> str:
+    """The table a GEMM of M rows reads: its role's decode table up to DECODE_MAX_M rows, else prefill."""
+    return "prefill" if m > DECODE_MAX_M else decode_phase
 
 
 def m_bucket(phase: str, m: int) -> int:
@@ -23,22 +30,3 @@ def lookup(table: dict, phase: str, m: int, n: int, k: int, default: dict) -> di
     if phase not in M_BUCKETS:
         raise ValueError(f"unknown GEMM phase {phase!r}; one of {PHASES}")
     return table.get((phase, m_bucket(phase, m), n, k), default)
-
-
-def render(table: dict, machine: str) -> str:
-    """The `CONFIGS = {...}` source block, one sorted line per key."""
-    lines = [f"# Tuned on {machine} by `python -m qflash.kernels.tune`: (phase, M bucket, N, K) -> launch config.",
-             "CONFIGS = {"]
-    for key in sorted(table, key=lambda k: (PHASES.index(k[0]), *k[1:])):
-        cfg = ", ".join(f"{name}={value!r}" for name, value in table[key].items())
-        lines.append(f"    {key!r}: dict({cfg}),")
-    return "\n".join(lines + ["}"]) + "\n"
-
-
-def write(path: Path, table: dict, machine: str) -> None:
-    """Replace the table at the end of a kernel file (from its `# Tuned on` / `CONFIGS = {` line on)."""
-    text = Path(path).read_text()
-    match = re.search(r"^(# Tuned on .*\n)?CONFIGS = \{", text, flags=re.M)
-    if match is None:
-        raise ValueError(f"{path} has no CONFIGS table")
-    Path(path).write_text(text[:match.start()] + render(table, machine))

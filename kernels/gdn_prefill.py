@@ -2,10 +2,9 @@
 
 SGLang 0.5.17 prefills a GDN layer with FLA's chunked kernels (`chunk_gated_delta_rule`: two l2-norms, a
 cumsum, the intra-chunk solve, the chunk states, the output), launched eagerly between the pieces of the
-prefill graph. On the H200's host that costs 0.4-0.65 ms per layer for ~40 us of GPU work at 64 tokens: a
-short prompt waits 10-16 ms on launches alone in 24 layers. One recurrent kernel over the prompt, on the
-GDN verify's state tile (kernels/gdn_verify.py), launches once; its GPU time grows with the prompt's
-length (one step per token), so it serves prompts up to `MAX_TOKENS`.
+prefill graph: their host launch time, not their GPU work, sets a short prompt's prefill. One recurrent
+kernel over the prompt, on the GDN verify's state tile (kernels/gdn_verify.py), launches once; its GPU time
+grows with the prompt's length (one step per token), so it serves prompts up to `MAX_TOKENS`.
 
 It is the chunked path's contract: reads each request's state from its slot, writes the final state back
 in place, and returns the output and the chunk states `h` (the state before every 64-token chunk, which
@@ -80,9 +79,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
 
 
 CHUNK = 64  # FLA's chunk: h holds the state before every CHUNK tokens of each request, as the chunked path's
-# Prompts up to MAX_TOKENS (all requests of the batch together) take this kernel, longer ones SGLang's chunks. `qflash
-# bench-kernels --skip-gemms` (then `--gdn-only`) on the H200, per layer: this kernel's GPU time grows 0.92 us per
-# token (61.7 us at 64, 235.9 at 256, 469.0 at 512) at 35 us of host; the chunks launch in 360-500 us of host, which
+# Prompts up to MAX_TOKENS (all requests of the batch together) take this kernel, longer ones SGLang's chunks: where
+# this kernel's GPU time (growing with the prompt) passes the chunks' host launch time (`qflash bench-kernels`). That
 # depends on the host, so QFLASH_GDN_PREFILL_MAX_TOKENS moves the limit (0: always SGLang's chunks).
 MAX_TOKENS = int(os.environ.get("QFLASH_GDN_PREFILL_MAX_TOKENS", "256"))
 CONFIG = {"BV": 4, "num_warps": 1, "num_stages": 3}  # the GDN verify's tile for one request (gdn_verify.CONFIGS)

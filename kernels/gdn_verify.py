@@ -2,9 +2,9 @@
 
 SGLang 0.5.17 verifies 16 draft tokens per request through a GDN layer with its recurrent kernel
 (`fused_sigmoid_gating_delta_rule_update_kernel`, ring-writing mode) on one warp per 128 x 32 state tile:
-128 programs, one per SM. Each step sums over the 128 key rows twice, 160 cross-lane shuffles each in that
-one warp, and nothing else on the SM hides them: 29.9 us per layer on the H200, 0.72 ms per cycle. Tiles
-of BV < 32 value columns put 32 / BV warps on each SM and cut each warp's shuffles by as much.
+128 programs, one per SM. Each step sums over the 128 key rows twice, cross-lane shuffles in that one warp,
+and nothing else on the SM hides them. Tiles of BV < 32 value columns put 32 / BV warps on each SM and cut
+each warp's shuffles by as much.
 
 The commit replays the accepted steps from the ring (raw k, raw v, gate, beta) into the state; it must
 give the verify's bits, which SGLang's fold does only for SGLang's tile. So both kernels are here, run one
@@ -189,7 +189,5 @@ def config_for(requests: int) -> dict:
 
 
 # The state tile both kernels run, by requests in the batch: BV value columns of all K keys, one warp (its reduction
-# trees are the bits). `qflash bench-kernels --skip-gemms` (then `--gdn-only`) on the H200, verify / fold us (SGLang's
-# 32 columns: 33.3 / 46.4 at 1 request, 48.5 / 55.3 at 8): 1 request, 4 columns 18.4 / 15.5 (8: 26.5 / 21.8, 16: 25.3
-# / 21.0); 8 requests, 16 columns 45.3 / 32.0 (4: 64.8 / 36.4, 8: 61.2 / 44.4, 32: 47.6 / 33.9).
+# trees are the bits). The fastest tiles of `qflash bench-kernels --skip-gemms` on the H200 (BENCHMARKS.md).
 CONFIGS = {1: {"BV": 4, "num_warps": 1, "num_stages": 3}, 8: {"BV": 16, "num_warps": 1, "num_stages": 3}}

@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 
 from qflash.kernels import config_table
-from qflash.kernels.w8a16_gemm import DOT_DTYPE
+from qflash.kernels.tiles import tile_offsets
+from qflash.kernels.w8a16_gemm import DOT_DTYPE, scaled_tile
 
 
 @triton.jit
@@ -18,20 +19,9 @@ def _w8a16_argmax_kernel(x_ptr, w_ptr, w_scale_ptr, max_ptr, idx_ptr, M, N, K, s
                          num_tiles, DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_k)[None, :],
-                    mask=mask_m[:, None] & (k + offs_k < K)[None, :], other=0.0)
-        w = tl.load(w_ptr + offs_n[None, :] * stride_wn + (k + offs_k)[:, None],
-                    mask=mask_n[None, :] & (k + offs_k < K)[:, None], other=0)
-        acc += tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE))
-    logits = acc * tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    offs_m, offs_n, offs_k, mask_m, mask_n = tile_offsets(tl.program_id(1), pid_n, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
+    logits = scaled_tile(x_ptr, w_ptr, w_scale_ptr, offs_m, offs_n, offs_k, mask_m, mask_n, K, stride_xm, stride_wn,
+                         DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K)
     logits = tl.where(mask_n[None, :], logits, float("-inf"))
     tile_max = tl.max(logits, axis=1)
     tile_idx = tl.argmax(logits, axis=1) + pid_n * BLOCK_N
@@ -70,7 +60,7 @@ def _(x, w, w_scale, phase="lm_head"):
 
 
 DEFAULT = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4)
-# Tuned on NVIDIA H200 (sm90) by `python -m qflash.kernels.tune`: (phase, M bucket, N, K) -> launch config.
+# Tuned on NVIDIA H200 (sm90) by `qflash tune`: (phase, M bucket, N, K) -> launch config.
 CONFIGS = {
     ('lm_head', 16, 248320, 2560): dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
     ('lm_head', 32, 248320, 2560): dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),

@@ -11,29 +11,16 @@ import triton
 import triton.language as tl
 
 from qflash.kernels import config_table
+from qflash.kernels.tiles import grouped_tile, tile_offsets
 
 # Triton's CPU interpreter multiplies bf16 operands as raw 16-bit integers: it gets fp32 operands.
 DOT_DTYPE = tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
 
 
 @triton.jit
-def _w8a16_gemm_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                       DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % size_m
-    pid_n = (pid % group) // size_m
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+def scaled_tile(x_ptr, w_ptr, w_scale_ptr, offs_m, offs_n, offs_k, mask_m, mask_n, K, stride_xm, stride_wn,
+                DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of x @ w_q^T * w_scale in fp32 (the fused argmax scores its tiles with it too)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k + offs_k)[None, :],
@@ -41,7 +28,17 @@ def _w8a16_gemm_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, M, N, K, stride_xm, str
         w = tl.load(w_ptr + offs_n[None, :] * stride_wn + (k + offs_k)[:, None],
                     mask=mask_n[None, :] & (k + offs_k < K)[:, None], other=0)
         acc += tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE))
-    y = acc * tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    return acc * tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+
+
+@triton.jit
+def _w8a16_gemm_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                       DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m, offs_n, offs_k, mask_m, mask_n = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
+    y = scaled_tile(x_ptr, w_ptr, w_scale_ptr, offs_m, offs_n, offs_k, mask_m, mask_n, K, stride_xm, stride_wn,
+                    DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -76,7 +73,7 @@ def _(x, w, w_scale, phase="lm_head"):
 
 
 DEFAULT = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
-# Tuned on NVIDIA H200 (sm90) by `python -m qflash.kernels.tune`: (phase, M bucket, N, K) -> launch config.
+# Tuned on NVIDIA H200 (sm90) by `qflash tune`: (phase, M bucket, N, K) -> launch config.
 CONFIGS = {
     ('lm_head', 16, 248320, 2560): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=4),
     ('lm_head', 32, 248320, 2560): dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from qflash.kernels import config_table
 from qflash.kernels.per_token_quant import per_token_quant
+from qflash.kernels.tiles import grouped_tile, tile_offsets
 
 
 @triton.jit
@@ -26,19 +27,8 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, w
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
     split = tl.program_id(0) % SPLIT_K
     pid = tl.program_id(0) // SPLIT_K
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % size_m
-    pid_n = (pid % group) // size_m
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m, offs_n, offs_k, mask_m, mask_n = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     w_cols = w_ptr + offs_n[None, :] * stride_wn
 
@@ -93,7 +83,7 @@ def split_k_buffers(device: torch.device, m: int, n: int, tiles: int) -> tuple[t
     One pair per (device, N): GEMMs of different shapes may run at once on SGLang's side streams."""
     ws, counts = _split_k_buffers.get((device, n), (None, None))
     if ws is None or ws.numel() < m * n or counts.numel() < tiles:
-        ws = torch.zeros(max(m, 128) * n, dtype=torch.int32, device=device)
+        ws = torch.zeros(max(m, config_table.DECODE_MAX_M) * n, dtype=torch.int32, device=device)
         counts = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
         _split_k_buffers[(device, n)] = ws, counts
     return ws, counts
@@ -129,7 +119,7 @@ def w8a8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Opt
         x2 = x2.contiguous()
     M, K = x2.shape
     N = w.shape[0]
-    config = config_table.lookup(CONFIGS, phase, M, N, K, DEFAULT_DECODE if M <= 128 else DEFAULT_PREFILL)
+    config = config_table.lookup(CONFIGS, phase, M, N, K, DEFAULT_DECODE if M <= config_table.DECODE_MAX_M else DEFAULT_PREFILL)
     return launch(x2, w, w_scale, bias, config).reshape(*x.shape[:-1], N)
 
 
@@ -140,7 +130,7 @@ def _(x, w, w_scale, bias=None, phase="verify"):
 
 DEFAULT_DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=True, SPLIT_K=1, num_warps=4, num_stages=4)
 DEFAULT_PREFILL = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=8, num_stages=3)
-# Tuned on NVIDIA H200 (sm90) by `python -m qflash.kernels.tune`: (phase, M bucket, N, K) -> launch config.
+# Tuned on NVIDIA H200 (sm90) by `qflash tune`: (phase, M bucket, N, K) -> launch config.
 CONFIGS = {
     ('prefill', 64, 64, 2560): dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('prefill', 64, 2560, 4096): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),

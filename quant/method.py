@@ -3,7 +3,7 @@
 - Target, a checkpoint from `qflash quantize` (SGLang builds this config from its `quantization_config`):
   each decoder-layer linear holds int8 [N, K] weights + fp32 per-channel scales, created and loaded as
   SGLang's own W8A8 int8 method does, and runs `qflash::w8a8_gemm`; the untied int8 lm_head runs
-  `qflash::w8a16_gemm` for logits (the DFlash draft pick uses its fused argmax, server/patches.py).
+  `qflash::w8a16_gemm` for logits (the DFlash draft pick uses its fused argmax, server/hooks/draft_pick.py).
 - Drafter, a bf16 checkpoint (SGLang builds the config with no arguments for a draft model): linears load
   bf16 and are quantized per channel once loaded, then run the same W8A8 kernel; its `qkv_proj` stays bf16
   (DRAFTER_BF16).
@@ -23,21 +23,14 @@ from sglang.srt.utils import set_weight_attrs
 from torch.nn import Parameter
 
 from qflash.kernels import w8a8_gemm, w8a16_argmax, w8a16_gemm  # noqa: F401  register the torch.ops.qflash ops
-from qflash.quant.quantize import LM_HEAD_KEY, quantize_per_channel
+from qflash.kernels.config_table import gemm_phase
+from qflash.quant.layout import LM_HEAD_KEY, METHOD_NAME
+from qflash.quant.quantize import quantize_per_channel
 
-NAME = "qflash_w8a8"
-# The drafter's fused QKV stays bf16: after each verify, DFLASH writes the accepted tokens' context K/V into
-# all 6 drafter layers through SGLang's fused materialisation (one stacked GEMM + one Triton kernel), which
-# takes bf16 qkv weights only. With an int8 qkv_proj it falls back to a per-layer eager loop (GEMM, norm,
-# rotary, KV write, x6): ~130 host-side ops per cycle, 4.2 ms of host time under the profiler, on the critical
-# path of a cycle whose GPU work is ~5 ms. Kept bf16, it costs ~94 MB more weight reads per draft (~22 us).
+# The drafter's fused QKV stays bf16: after each verify, DFLASH writes the accepted tokens' context K/V into all
+# drafter layers through SGLang's fused materialisation (one stacked GEMM + one Triton kernel), which takes bf16
+# qkv weights only; an int8 qkv_proj sends it to a per-layer eager loop of ~130 host-side launches per cycle.
 DRAFTER_BF16 = ("qkv_proj",)
-DECODE_MAX_M = 128  # verify / draft blocks of up to 8 requests; larger M is a prefill
-
-
-def gemm_phase(decode_phase: str, m: int) -> str:
-    """The config table a GEMM of M rows reads: the role's decode table up to 8 blocks, else prefill."""
-    return "prefill" if m > DECODE_MAX_M else decode_phase
 
 
 def _rows(x: torch.Tensor) -> int:
@@ -117,7 +110,7 @@ class QflashW8A8Config(QuantizationConfig):
 
     @classmethod
     def get_name(cls) -> str:
-        return NAME
+        return METHOD_NAME
 
     @classmethod
     def get_supported_act_dtypes(cls) -> list[torch.dtype]:
@@ -138,8 +131,8 @@ class QflashW8A8Config(QuantizationConfig):
     @classmethod
     def override_quantization_method(cls, hf_quant_cfg, user_quant) -> Optional[str]:
         """Claim qflash's checkpoints (they carry the int8 lm_head key), unless another method was asked for."""
-        if hf_quant_cfg is not None and LM_HEAD_KEY in hf_quant_cfg and user_quant in (None, NAME):
-            return NAME
+        if hf_quant_cfg is not None and LM_HEAD_KEY in hf_quant_cfg and user_quant in (None, METHOD_NAME):
+            return METHOD_NAME
         return None
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> Optional[QuantizeMethodBase]:

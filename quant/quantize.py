@@ -27,17 +27,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from qflash.quant.layout import DROPPED, TEXT, is_quantized_linear
+from qflash.quant.layout import DROPPED, LM_HEAD, TEXT, is_qflash_config, is_quantized_linear, quantized_config
 from qflash.quant.smooth import apply as smooth_apply
+from qflash.server.errors import UserError
 
 SHARD_BYTES = 2 << 30
-LM_HEAD = "lm_head.weight"
-LM_HEAD_KEY = "qflash_lm_head"  # quantization_config key describing the int8 lm_head
-SMOOTH_KEY = "qflash_smoothquant"  # quantization_config key: alpha and calibration size, when smoothed
 
 
-class CheckpointError(ValueError):
-    pass
+class CheckpointError(UserError):
+    """A source or destination the quantizer refuses, before writing anything."""
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,25 +45,12 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale).clamp_(-127, 127).to(torch.int8), scale
 
 
-def quantization_config(text_layers: int) -> dict:
-    int8 = {"num_bits": 8, "type": "int", "symmetric": True}
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "int-quantized",
-        "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": {**int8, "strategy": "channel", "dynamic": False},
-            "input_activations": {**int8, "strategy": "token", "dynamic": True},
-        }},
-        "ignore": ["lm_head"],
-        LM_HEAD_KEY: {"format": "w8a16", "weights": {**int8, "strategy": "channel"}, "text_layers": text_layers},
-    }
-
-
 def _source_files(src: Path) -> tuple[dict, list[Path]]:
     """The source config and safetensors files; clear errors for a missing, partial or foreign checkpoint."""
+    if not src.is_dir():
+        raise CheckpointError(f"{src} does not exist or is not a folder")
     if not (src / "config.json").is_file():
-        raise CheckpointError(f"{src}: no config.json (not a Hugging Face checkpoint directory)")
+        raise CheckpointError(f"{src}: no config.json (not a Hugging Face checkpoint folder)")
     config = json.loads((src / "config.json").read_text())
     if config.get("model_type") != "qwen3_5" or "text_config" not in config:
         raise CheckpointError(f"{src}: model_type {config.get('model_type')!r} is not a Qwen3.5 checkpoint (qwen3_5)")
@@ -82,19 +67,29 @@ def _source_files(src: Path) -> tuple[dict, list[Path]]:
     return config, files
 
 
-def quantized_config(config: dict, smoothing: Optional[dict] = None) -> dict:
-    """The output checkpoint's config.json: untied lm_head, the quantization_config above (plus how it
-    was smoothed, if it was)."""
-    text = dict(config["text_config"], tie_word_embeddings=False)
-    quant = quantization_config(text["num_hidden_layers"]) | ({SMOOTH_KEY: smoothing} if smoothing else {})
-    return {**config, "text_config": text, "tie_word_embeddings": False, "quantization_config": quant}
+def _check_destination(src: Path, dst: Path, force: bool) -> None:
+    """DST may be new or empty; with --force, also an earlier output of `qflash quantize` (its config says so).
+    Never SRC, a folder inside it or one that holds it, nor anything else a user owns."""
+    s, d = src.resolve(), dst.resolve()
+    if d == s or d.is_relative_to(s) or s.is_relative_to(d):
+        raise CheckpointError(f"{dst} is {'the source' if d == s else 'inside the source' if d.is_relative_to(s) else 'a folder holding the source'}; "
+                              "write the quantized checkpoint to a folder of its own")
+    if not dst.exists() or (dst.is_dir() and not any(dst.iterdir())):
+        return
+    config = dst / "config.json"
+    earlier = dst.is_dir() and config.is_file() and is_qflash_config(json.loads(config.read_text()))
+    if not earlier:
+        raise CheckpointError(f"{dst} exists and is not a `qflash quantize` output; remove it yourself or pick another folder")
+    if not force:
+        raise CheckpointError(f"{dst} holds an earlier `qflash quantize` output; pass --force to replace it")
 
 
 def _smoothing_plan(src: Path, names: list, ids: torch.Tensor, alpha: float, device: str) -> dict:
     """SmoothQuant factors from the bf16 model's norm outputs over the calibration ids (quant/smooth.py)."""
-    from qflash.quant import quality, smooth
+    from qflash.quant import smooth
+    from qflash.quant.reference import load_bf16
 
-    model = quality.load_bf16(src, device)
+    model = load_bf16(src, device)
     act_absmax = smooth.activation_absmax(model, ids.reshape(1, -1).to(device))
     del model
     consumers = tuple(f".{c}.weight" for group in smooth.CONSUMERS.values() for c in group)
@@ -134,8 +129,7 @@ def quantize_checkpoint(src: Path, dst: Path, force: bool = False, calibration_i
     """Write DST from SRC; with calibration token ids, SmoothQuant-smooth the body first (quant/smooth.py)."""
     src, dst = Path(src), Path(dst)
     config, files = _source_files(src)
-    if dst.exists() and not force:
-        raise CheckpointError(f"{dst} exists; pass --force to overwrite it")
+    _check_destination(src, dst, force)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
     try:
@@ -155,7 +149,7 @@ def quantize_checkpoint(src: Path, dst: Path, force: bool = False, calibration_i
             if name == TEXT + "embed_tokens.weight":
                 embed = tensor
             writer.add(name, tensor)
-        if LM_HEAD not in writer.weight_map and LM_HEAD not in writer.pending:
+        if LM_HEAD not in writer.weight_map and LM_HEAD not in writer.pending:  # tied: untie from the embeddings
             if embed is None:
                 raise CheckpointError(f"{src}: neither lm_head.weight nor embed_tokens to untie it from")
             q, scale = quantize_per_channel(embed)
@@ -167,10 +161,34 @@ def quantize_checkpoint(src: Path, dst: Path, force: bool = False, calibration_i
         for extra in src.iterdir():
             if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in ("config.json", "model.safetensors.index.json"):
                 shutil.copy2(extra, tmp / extra.name)
-        if dst.exists():
+        if dst.exists():  # empty, or an earlier output (_check_destination)
             shutil.rmtree(dst)
         tmp.rename(dst)
         return dst
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def add_arguments(p) -> None:
+    p.add_argument("src", type=Path, help="a Hugging Face Qwen3.5 checkpoint folder (bf16)")
+    p.add_argument("dst", type=Path, help="a new folder for the quantized checkpoint")
+    p.add_argument("--force", action="store_true", help="replace DST if it holds an earlier `qflash quantize` output")
+    p.add_argument("--smooth", type=Path, metavar="CALIB.txt", help="SmoothQuant from this calibration text first")
+    p.add_argument("--alpha", type=float, default=0.5, help="SmoothQuant migration strength (default 0.5)")
+    p.add_argument("--calibration-tokens", type=int, default=512, help="tokens of the text to use (default 512)")
+    p.add_argument("--device", default="cpu", help="where the calibration forward runs: cpu (default) or cuda")
+
+
+def run(args, extra) -> int:
+    ids = None
+    if args.smooth:
+        from transformers import AutoTokenizer
+
+        if not args.smooth.is_file():
+            raise CheckpointError(f"{args.smooth} does not exist")
+        _source_files(args.src)  # a clear error before the tokenizer is looked for
+        text = args.smooth.read_text()
+        ids = AutoTokenizer.from_pretrained(args.src)(text, return_tensors="pt").input_ids[0, :args.calibration_tokens]
+    print(f"wrote {quantize_checkpoint(args.src, args.dst, args.force, ids, args.alpha, args.device)}")
+    return 0

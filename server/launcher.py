@@ -1,9 +1,11 @@
-"""`qflash serve`: start SGLang with the qflash preset, wait until it answers, print its URL.
+"""`qflash serve`: start SGLang with the qflash preset, wait until it answers with qflash in place, print its URL.
 
-The server is SGLang's own `sglang.launch_server`, run as a child process; qflash reaches into it only
-through its plugin (SGLANG_PLUGINS). `qflash bench` starts the stock systems with the same class.
+The server is SGLang's own `sglang.launch_server`, run as a child process group; qflash reaches into it only
+through its plugin (SGLANG_PLUGINS). `qflash bench` starts the stock systems with the same class. Nothing heavy
+is imported here at module level: `qflash serve --help` answers at once.
 """
 
+import argparse
 import json
 import os
 import signal
@@ -14,22 +16,37 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from importlib.metadata import version
 from pathlib import Path
 
-from qflash.quant.quantize import LM_HEAD_KEY
-from qflash.server.dummy import DRAFTER_DIR, TARGET_DIR, W8A8_DIR, is_dummy_dir, make_dummy
+from qflash.quant.layout import is_qflash_config
+from qflash.server.errors import UserError
+from qflash.server.hooks import APPLIED, PINNED_SGLANG, REFUSED
+
+APPLIED_MARK = APPLIED.split("{count}")[1].split("{version}")[0]  # " hooks applied on sglang "
 from qflash.server.preset import (DFLASH_FLAGS, HOST, PORT, PREFIX_CACHE, PREFIX_CACHE_FLAGS, QFLASH_SERVING_FLAGS,
-                                  QFLASH_W8A8_FLAGS)
+                                  QFLASH_W8A8_FLAGS, REQUEST_LIMITS)
 
 DEFAULT_CACHE = Path(os.environ.get("QFLASH_CACHE", "~/.cache/qflash")).expanduser()
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+PASSTHROUGH = True  # flags `qflash serve` does not know go to sglang.launch_server
 
 
 class ServerDied(RuntimeError):
     pass
 
 
+def is_dummy_dir(path: Path) -> bool:
+    """True if `path` holds a config and tokenizer but no weights (serve it with --load-format dummy)."""
+    path = Path(path)
+    has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+    return (path / "config.json").exists() and (path / "tokenizer.json").exists() and not has_weights
+
+
 def dummy_model_dirs(cache: Path = DEFAULT_CACHE, quantized: bool = True) -> tuple[Path, Path]:
     """The offline dummy target (qflash's W8A8 layout, or the bf16 original) and drafter, built once in the cache."""
+    from qflash.server.dummy import DRAFTER_DIR, TARGET_DIR, W8A8_DIR, make_dummy
+
     root = cache / "dummy"
     target, drafter = (root / W8A8_DIR if quantized else root) / TARGET_DIR, root / DRAFTER_DIR
     if not (is_dummy_dir(target) and is_dummy_dir(drafter)):
@@ -37,10 +54,17 @@ def dummy_model_dirs(cache: Path = DEFAULT_CACHE, quantized: bool = True) -> tup
     return target, drafter
 
 
-def is_qflash_checkpoint(target: Path) -> bool:
-    """True for a target written by `qflash quantize` (its quantization_config describes the int8 lm_head)."""
-    config = json.loads((Path(target) / "config.json").read_text())
-    return LM_HEAD_KEY in config.get("quantization_config", {})
+def read_config(folder: Path, role: str) -> dict:
+    """A model folder's config.json; UserError for a folder that is missing or holds no model."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"{role} {folder} does not exist or is not a folder")
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except FileNotFoundError:
+        raise UserError(f"{role} {folder} has no config.json (not a Hugging Face model folder)") from None
+    except ValueError as exc:
+        raise UserError(f"{role} {folder}/config.json is not valid JSON ({exc})") from None
 
 
 def sglang_argv(target: Path, drafter: Path, extra: list[str], host: str = HOST, port: int = PORT,
@@ -50,7 +74,7 @@ def sglang_argv(target: Path, drafter: Path, extra: list[str], host: str = HOST,
     quantized the same way; qflash's serving flags and optional prefix caching unless `stock`; `extra`
     flags come last and win."""
     load = ["--load-format", "dummy"] if is_dummy_dir(target) else []
-    quant = QFLASH_W8A8_FLAGS if is_qflash_checkpoint(target) else []
+    quant = QFLASH_W8A8_FLAGS if is_qflash_config(read_config(target, "--model-path")) else []
     draft_load = ["--speculative-draft-load-format", "dummy" if is_dummy_dir(drafter) else "auto"]
     return [
         sys.executable, "-m", "sglang.launch_server",
@@ -69,11 +93,12 @@ def plugin_env(plugins: str, extra: dict[str, str] | None = None) -> dict[str, s
 
 
 class ServerProcess:
-    """One SGLang server as a child process group, with its log in a file."""
+    """One SGLang server as a child process group, with its log in a file (appended to: `log()` reads this run's part)."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, base_url: str):
-        self.argv, self.env, self.log_path, self.base_url = argv, env, Path(log_path), base_url
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path, base_url: str, api_key: str | None = None):
+        self.argv, self.env, self.log_path, self.base_url, self.api_key = argv, env, Path(log_path), base_url, api_key
         self.proc: subprocess.Popen | None = None
+        self.log_start = 0
 
     def start(self) -> "ServerProcess":
         # A server already answering on the port would pass wait_ready's /health check in this one's place.
@@ -83,17 +108,26 @@ class ServerProcess:
                 raise ServerDied(f"{url.hostname}:{url.port} is already in use (another server?): stop it or pick another --port")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+            self.log_start = log.tell()
+            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return self
 
+    def log(self) -> str:
+        """What this run wrote to the log."""
+        with open(self.log_path, "rb") as log:
+            log.seek(self.log_start)
+            return log.read().decode(errors="replace")
+
+    def refusal(self) -> str | None:
+        """qflash's own reason for stopping the server at start-up (server/hooks), if it gave one."""
+        return next((line[line.index(REFUSED) + len("qflash: "):] for line in self.log().splitlines() if REFUSED in line), None)
+
     def wait_ready(self, timeout_s: float = 900.0) -> float:
-        """Poll /health until it answers 200; return the seconds it took. Raise if the server exits."""
+        """Poll /health until it answers 200; return the seconds it took. Raise ServerDied if the server exits."""
         start = time.monotonic()
         while time.monotonic() - start < timeout_s:
             if self.proc.poll() is not None:
-                raise ServerDied(f"server exited with code {self.proc.returncode}; log: {self.log_path}")
+                raise ServerDied(self.refusal() or f"server exited with code {self.proc.returncode}; log: {self.log_path}")
             try:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=5) as resp:
                     if resp.status == 200:
@@ -103,7 +137,16 @@ class ServerProcess:
             time.sleep(1.0)
         raise TimeoutError(f"server not healthy after {timeout_s:.0f} s; log: {self.log_path}")
 
+    def post(self, route: str) -> None:
+        """POST to one of SGLang's routes, with the server's API key when it has one."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        request = urllib.request.Request(self.base_url + route, method="POST", headers=headers)
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            resp.read()
+
     def stop(self) -> None:
+        """SIGTERM to the whole process group (SGLang's scheduler and detokenizer are the server's children), then
+        SIGKILL if it has not exited within a minute."""
         if self.proc is None or self.proc.poll() is not None:
             return
         os.killpg(self.proc.pid, signal.SIGTERM)
@@ -114,12 +157,11 @@ class ServerProcess:
             self.proc.wait()
 
 
-def freeze_gc(base_url: str) -> None:
+def freeze_gc(server: ServerProcess) -> None:
     """SGLang's `/freeze_gc`, once the server is ready: every object alive after start-up (model, CUDA graphs,
     caches) leaves Python's collector in the server's processes, so the collections that decoding triggers
     scan request objects only. Unfrozen, a full collection stalls the scheduler mid-request for tens of ms."""
-    with urllib.request.urlopen(urllib.request.Request(base_url + "/freeze_gc", method="POST"), timeout=60) as resp:
-        resp.read()
+    server.post("/freeze_gc")
 
 
 def _interrupt(signum, frame):
@@ -138,31 +180,75 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def serve(model_path: Path | None, draft_model_path: Path | None, extra: list[str], host: str, port: int,
-          log_path: Path, dry_run: bool = False, prefix_cache: bool = PREFIX_CACHE) -> int:
+def require_gpu() -> None:
+    if not cuda_available():
+        raise UserError("no CUDA GPU is visible; qflash serves on an NVIDIA GPU (sm80 or newer)", code=1)
+
+
+def require_pinned_sglang() -> None:
+    found = version("sglang")
+    if found != PINNED_SGLANG:
+        raise UserError(f"qflash changes SGLang {PINNED_SGLANG} internals; this Python has sglang {found}", code=1)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-path", type=Path, help="Qwen3.5-4B checkpoint folder (default: the offline dummy model)")
+    p.add_argument("--draft-model-path", type=Path, help="Qwen3.5-4B-DFlash drafter folder")
+    p.add_argument("--host", default=HOST, help=f"address to listen on (default {HOST})")
+    p.add_argument("--port", type=int, default=PORT, help=f"(default {PORT})")
+    p.add_argument("--api-key", default=os.environ.get("QFLASH_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on every route but /health (default: $QFLASH_API_KEY)")
+    p.add_argument("--log", type=Path, help="server log file (default: ~/.cache/qflash/logs/server-PORT.log)")
+    p.add_argument("--dry-run", action="store_true", help="print the SGLang command and exit")
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=PREFIX_CACHE,
+                   help="SGLang's radix cache with qflash's DFLASH fixes (default: on)")
+    p.add_argument("--max-n", type=int, default=REQUEST_LIMITS["max_n"],
+                   help=f"largest `n` a request may ask for (default {REQUEST_LIMITS['max_n']})")
+    p.add_argument("--max-top-logprobs", type=int, default=REQUEST_LIMITS["max_top_logprobs"],
+                   help=f"largest top_logprobs a request may ask for (default {REQUEST_LIMITS['max_top_logprobs']})")
+    p.add_argument("--max-request-mb", type=float, default=REQUEST_LIMITS["max_request_bytes"] / 2**20,
+                   help=f"largest request body in MiB (default {REQUEST_LIMITS['max_request_bytes'] >> 20})")
+
+
+def limits_env(args: argparse.Namespace) -> dict[str, str]:
+    """The request limits as the server's hooks read them (server/hooks/requests.py)."""
+    return {"QFLASH_MAX_N": str(args.max_n), "QFLASH_MAX_TOP_LOGPROBS": str(args.max_top_logprobs),
+            "QFLASH_MAX_REQUEST_BYTES": str(int(args.max_request_mb * 2**20))}
+
+
+def run(args: argparse.Namespace, extra: list[str]) -> int:
     """Start the qflash server and block until it exits; return its exit code."""
-    if (model_path is None) != (draft_model_path is None):
-        print("qflash: give both --model-path and --draft-model-path, or neither (the dummy model)", file=sys.stderr)
-        return 2
-    if model_path is None:
-        model_path, draft_model_path = dummy_model_dirs()
-    argv = sglang_argv(model_path, draft_model_path, extra, host, port, prefix_cache=prefix_cache)
-    if dry_run:
+    if (args.model_path is None) != (args.draft_model_path is None):
+        raise UserError("give both --model-path and --draft-model-path, or neither (the dummy model)")
+    if args.model_path is not None:
+        read_config(args.model_path, "--model-path")
+        read_config(args.draft_model_path, "--draft-model-path")
+    if not args.dry_run:
+        require_gpu()
+        require_pinned_sglang()
+    model_path, draft_model_path = (args.model_path, args.draft_model_path) if args.model_path else dummy_model_dirs()
+    key = ["--api-key", args.api_key] if args.api_key else []
+    argv = sglang_argv(model_path, draft_model_path, [*key, *extra], args.host, args.port, prefix_cache=args.prefix_cache)
+    if args.host not in LOCAL_HOSTS and not args.api_key:
+        print(f"qflash: warning: listening on {args.host} without --api-key: anyone who can reach it can use the server, "
+              "admin routes included", file=sys.stderr)
+    if args.dry_run:
         print(" ".join(argv))
         return 0
-    if not cuda_available():
-        print("qflash: no CUDA GPU is visible; qflash serves on an NVIDIA GPU (sm80 or newer)", file=sys.stderr)
-        return 1
+    log = args.log or DEFAULT_CACHE / "logs" / f"server-{args.port}.log"
     unwind_on_sigterm()
-    server = ServerProcess(argv, plugin_env("qflash"), log_path, f"http://{host}:{port}")
+    server = ServerProcess(argv, plugin_env("qflash", limits_env(args)), log, f"http://{args.host}:{args.port}", args.api_key)
     try:
         server.start()
-        print(f"qflash: starting SGLang (log: {log_path})", flush=True)
+        print(f"qflash: starting SGLang (log: {log})", flush=True)
         took = server.wait_ready()
-        freeze_gc(server.base_url)
-        print(f"qflash: ready in {took:.0f} s at {server.base_url} (OpenAI API: {server.base_url}/v1)", flush=True)
+        applied = [line for line in server.log().splitlines() if line.startswith("qflash: ") and APPLIED_MARK in line]
+        if not applied:
+            raise ServerDied("the server started without qflash's SGLang plugin (is qflash installed in this Python?)")
+        freeze_gc(server)
+        print(f"{applied[0]}\nqflash: ready in {took:.0f} s at {server.base_url} (OpenAI API: {server.base_url}/v1)", flush=True)
         return server.proc.wait()
-    except (ServerDied, TimeoutError) as exc:
+    except (ServerDied, TimeoutError, urllib.error.URLError) as exc:
         print(f"qflash: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

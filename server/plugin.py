@@ -1,38 +1,41 @@
 """SGLang plugin entry points (group `sglang.srt.plugins`), run in the server and every scheduler process.
 
-`qflash` is the whole stack; `qflash_text_only` is only the text-only Qwen3.5 switch, which the stock
-SGLang systems of `qflash bench` load so that they serve the same text model without qflash's code.
+`qflash` is the whole stack; `qflash_text_only` is only the text-only Qwen3.5 switch, which the stock SGLang
+systems of `qflash bench` load so that they serve the same text model without qflash's code. Both refuse to
+let a server start without what they install (server/hooks/__init__.py).
 """
 
-from qflash.server import patches
+from qflash.server import hooks
+from qflash.server.hooks import (attention, draft_pick, gdn_prefill, gdn_verify, graph_monitor, quantization, radix_cache,
+                                 requests, text_only_model)
 
 MODEL_PACKAGE = "qflash.server.models"
+TEXT_ONLY = text_only_model.CHANGES
+QFLASH = [*TEXT_ONLY, *quantization.CHANGES, *requests.CHANGES, *draft_pick.CHANGES, *graph_monitor.CHANGES,
+          *attention.CHANGES, *radix_cache.CHANGES, *gdn_verify.CHANGES, *gdn_prefill.CHANGES]
 
 
 def register_text_only() -> None:
-    patches.apply_text_only()
+    hooks.install(TEXT_ONLY)
 
 
-def register() -> None:
+def _register_model_and_method() -> list[str]:
+    """qflash's model class and quantization method, through SGLang's registries; returns what is missing."""
     from sglang.srt.layers.quantization import QUANTIZATION_METHODS
     from sglang.srt.models.registry import ModelRegistry
     from sglang.srt.server_args import QUANTIZATION_CHOICES, add_quantization_method_choices
 
-    from qflash.quant.method import NAME, QflashW8A8Config
+    from qflash.quant.method import QflashW8A8Config
+    from qflash.server.models.qwen3_5_text import Qwen3_5ForConditionalGeneration
 
-    register_text_only()
-    patches.apply_openai_checks()
-    patches.apply_request_checks()
-    patches.apply_int8_lm_head_draft_pick()
-    patches.apply_graph_monitor()
-    patches.apply_block_attention()
-    patches.apply_flash_prefill_attention()
-    patches.apply_dflash_radix_cache_fixes()
-    patches.apply_gdn_fold_commit()
-    patches.apply_conv_update_tiles()
-    patches.apply_gdn_verify_tiles()
-    patches.apply_short_gdn_prefill()
     ModelRegistry.register(MODEL_PACKAGE, overwrite=True, strict=True)
-    QUANTIZATION_METHODS[NAME] = QflashW8A8Config
-    if NAME not in QUANTIZATION_CHOICES:
-        add_quantization_method_choices([NAME])
+    QUANTIZATION_METHODS[QflashW8A8Config.get_name()] = QflashW8A8Config
+    if QflashW8A8Config.get_name() not in QUANTIZATION_CHOICES:
+        add_quantization_method_choices([QflashW8A8Config.get_name()])
+    found = {"model class": ModelRegistry.models.get(Qwen3_5ForConditionalGeneration.__name__) is Qwen3_5ForConditionalGeneration,
+             "quantization method": QUANTIZATION_METHODS.get(QflashW8A8Config.get_name()) is QflashW8A8Config}
+    return [name for name, ok in found.items() if not ok]
+
+
+def register() -> None:
+    hooks.install(QFLASH, extra_check=_register_model_and_method)

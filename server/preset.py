@@ -5,6 +5,7 @@ every 4B value is written out because the library defaults are the 9B shapes.
 """
 
 from qflash.graphs.policy import graph_flags
+from qflash.quant.layout import METHOD_NAME
 
 TARGET_ARCH = "Qwen3_5ForConditionalGeneration"
 VOCAB_SIZE = 248320
@@ -141,22 +142,29 @@ DFLASH_FLAGS = [
     "--context-length", str(CONTEXT_LENGTH),
 ]
 
+# The benchmark protocol's prompt lengths (shared/reference/benchmark-protocol.md): the scoreboard's buckets, and
+# the prefill M at which the GEMM tables are tuned.
+PROMPT_BUCKETS = (64, 2048, 8192)
+
+# What one request may ask for (server/hooks/requests.py); `qflash serve --max-n N` etc. raise them. `n` expands
+# into n sub-requests and `top_logprobs` into a top-k in the scheduler, so both are bounded.
+REQUEST_LIMITS = {"max_n": 16, "max_top_logprobs": 20, "max_request_bytes": 32 << 20}
+
 # Prefix caching (SGLang's radix cache). On the hybrid GDN model the radix cache also checkpoints the GDN
 # state every 256 tokens (`extra_buffer`: keeps overlap scheduling on, which `no_buffer` would turn off; it
 # needs the triton linear-attention backend, the default), made correct under DFLASH by
-# patches.apply_dflash_radix_cache_fixes (tests/test_prefix_cache_gpu.py). On by default (`./launch.sh
+# server/hooks/radix_cache.py (tests/test_prefix_cache_gpu.py). On by default (`./launch.sh
 # --no-prefix-cache` turns it off); stock systems always run without it, as the protocol has them.
 PREFIX_CACHE = True
 PREFIX_CACHE_FLAGS = {True: ["--mamba-radix-cache-strategy", "extra_buffer"], False: ["--disable-radix-cache"]}
 
 # How a qflash W8A8 checkpoint is served: the body and int8 lm_head by qflash's method (quant/method.py),
 # the bf16 DFlash drafter quantized at load by the same method.
-QFLASH_W8A8_FLAGS = ["--quantization", "qflash_w8a8", "--speculative-draft-model-quantization", "qflash_w8a8"]
+QFLASH_W8A8_FLAGS = ["--quantization", METHOD_NAME, "--speculative-draft-model-quantization", METHOD_NAME]
 
 # The Gated-DeltaNet verify keeps each draft step's raw inputs and the commit replays the accepted ones into
 # the state (SGLang's ReplaySSM spec-verify, in place of 16 full-state snapshots per layer, 32 MB written per
-# layer per cycle). DFLASH's commit reaches the replay through patches.apply_gdn_fold_commit; the verify and
-# the replay run qflash's kernels (kernels/gdn_verify.py, patches.apply_gdn_verify_tiles).
+# layer per cycle). server/hooks/gdn_verify.py gives DFLASH the replay and runs both on qflash's kernels.
 GDN_VERIFY_FLAGS = ["--enable-linear-replayssm-spec"]
 
 # What qflash adds to SGLang's serving beyond the quantization method: CUDA graphs for every batch size

@@ -5,9 +5,11 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
+import requests
 import torch
 
 # Without a GPU, Triton kernels run in Triton's CPU interpreter; it must be on before they are imported.
@@ -15,6 +17,39 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
+SESSION_MARK = "QFLASH_TEST_SESSION"
+
+
+def marked_processes(mark: str) -> list[int]:
+    """Live processes (not zombies) other than this one whose environment carries `mark`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z" and mark.encode() in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except (OSError, IndexError):  # exited meanwhile, or not ours to read
+            pass
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind():
+    """Every process a test starts inherits this session's mark in its environment (orphans too); one still
+    running when the session ends is a leak: it is killed and the session fails."""
+    mark = f"{SESSION_MARK}={uuid.uuid4().hex}"
+    os.environ[SESSION_MARK] = mark.split("=", 1)[1]
+    yield
+    if "torch._inductor.async_compile" in sys.modules:  # torch.compile's worker pool lives until the interpreter exits
+        sys.modules["torch._inductor.async_compile"].shutdown_compile_workers()
+    deadline = time.monotonic() + 15  # processes a test has just signalled may still be exiting
+    while (leaked := marked_processes(mark)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in leaked:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not leaked, f"processes left behind by the tests: {leaked}"
 
 
 def run_python(code: str, *args: str, env: dict | None = None, timeout: int = 300,
@@ -58,7 +93,16 @@ def launched(*args: str, log: Path, timeout_s: float = 900):
 
 SERVED_PORT = 30000
 SERVED = f"http://127.0.0.1:{SERVED_PORT}"
+SERVED_KEY = "qflash-gpu-tests"  # the shared server requires it, as a user's `--api-key` server does
+API = requests.Session()  # what the GPU tests send to the shared server: with its key
+API.headers["Authorization"] = f"Bearer {SERVED_KEY}"
 _served: list[contextlib.ExitStack] = []  # the shared server while it runs
+_served_log: list[Path] = []  # its SGLang log, this run's alone
+
+
+def served_log() -> str:
+    """What the shared server has logged (SGLang's log of this session's start)."""
+    return _served_log[-1].read_text(errors="replace")
 
 
 def pytest_collection_modifyitems(items):
@@ -75,14 +119,18 @@ def stop_served() -> None:
 @pytest.fixture(scope="session")
 def served(tmp_path_factory):
     """`./launch.sh` as a user starts it, once for every GPU module that talks to the default server (a start
-    costs minutes of device time): the dummy W8A8 model on qflash's kernels, DFLASH K=16, prefix caching on.
+    costs minutes of device time): the dummy W8A8 model on qflash's kernels, DFLASH K=16, prefix caching on,
+    an API key (SERVED_KEY; the tests send it through API).
     Real verification (SGLANG_SIMULATE_ACC_LEN unset). QFLASH_CHECKPOINT and QFLASH_DRAFTER serve real
     weights instead of the dummy (see tests/test_quantized_server_gpu.py)."""
     os.environ.pop("SGLANG_SIMULATE_ACC_LEN", None)
     real = [os.environ.get("QFLASH_CHECKPOINT"), os.environ.get("QFLASH_DRAFTER")]
     model = ["--model-path", real[0], "--draft-model-path", real[1]] if all(real) else []
     stack = contextlib.ExitStack()
-    stack.enter_context(launched(*model, "--port", str(SERVED_PORT), log=tmp_path_factory.mktemp("served") / "launch.out"))
+    folder = tmp_path_factory.mktemp("served")
+    _served_log.append(folder / "server.log")
+    stack.enter_context(launched(*model, "--port", str(SERVED_PORT), "--api-key", SERVED_KEY, "--log", str(_served_log[-1]),
+                                 log=folder / "launch.out"))
     _served.append(stack)
     yield
     stop_served()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the H200 checks, in one device call; results and logs land in $OUT. Steps, by variable:
-#   TUNE=1                 python -m qflash.kernels.tune (rewrites the kernel tables; copies them to $OUT)
+#   TUNE=1                 qflash tune (rewrites the kernel tables; copies them to $OUT)
 #   TESTS="pytest args"    default "-m gpu tests" (all GPU tests); TESTS=0 skips
 #   EVAL_DEPS=1            install lm-eval offline for tests/test_eval_gpu.py (carry .gpu-eval too:
 #                          tests/fetch_eval_deps.sh makes it here, 15.3 MiB)
@@ -23,7 +23,7 @@ export QFLASH_CACHE=/tmp/qflash-cache PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
 if [ "${TUNE:-0}" = 1 ]; then
-  timeout "${TUNE_TIMEOUT:-330}" python3 -m qflash.kernels.tune > "$OUT/tune.log" 2>&1 || status=1
+  timeout "${TUNE_TIMEOUT:-330}" python3 -m qflash.server.cli tune > "$OUT/tune.log" 2>&1 || status=1
   grep -E "wrote|tuned in" "$OUT/tune.log"
   cp kernels/w8a8_gemm.py kernels/w8a16_gemm.py kernels/w8a16_argmax.py "$OUT/"
 fi
@@ -35,7 +35,7 @@ fi
 if [ "${TESTS:-}" != 0 ]; then
   # shellcheck disable=SC2086
   timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest ${TESTS:--m gpu tests} -v -s -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1 || status=1
-  grep -E "FAILED|ERROR|ready after|passed|failed|: 4[0-9][0-9] |losslessness|accept length|soak:|^prompt [0-9]+:|qflash_tiny" "$OUT/gpu-tests.log"
+  grep -E "FAILED|ERROR|ready after|passed|failed|: 4[0-9][0-9] |losslessness|accept length|soak:|^prompt [0-9]+:|qflash_tiny|hooks applied|refusing" "$OUT/gpu-tests.log"
   pkill -f sglang.launch_server; sleep 3
   tar czf "$OUT/server-logs.tgz" -C "$QFLASH_CACHE" logs 2>/dev/null
 fi

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from conftest import REPO
-from qflash.server import bench
+from qflash.server.tools import bench, systems
 from qflash.server.cli import main
 
 RECORDED = json.loads((REPO / "tests" / "data" / "bench-run.json").read_text())
@@ -18,7 +18,7 @@ RECORDED = json.loads((REPO / "tests" / "data" / "bench-run.json").read_text())
 def test_stock_systems_run_without_prefix_caching_as_the_protocol_does(dummy_dirs):
     from qflash.server.launcher import sglang_argv
 
-    for system, (extra, _) in bench.SGLANG_SYSTEMS.items():
+    for system, (extra, _) in systems.SGLANG_SYSTEMS.items():
         argv = sglang_argv(*dummy_dirs, extra, stock=system != "qflash", prefix_cache=True)
         assert ("--disable-radix-cache" in argv) == (system != "qflash"), system
         assert ("extra_buffer" in argv) == (system == "qflash"), system
@@ -28,7 +28,7 @@ def test_qflash_prefix_caching_in_the_bench_is_as_served_unless_turned_off():
     import argparse
 
     p = argparse.ArgumentParser()
-    bench.add_bench_args(p)
+    bench.add_arguments(p)
     assert p.parse_args(["--out", "x"]).prefix_cache is True  # what `qflash serve` runs
     assert p.parse_args(["--out", "x", "--no-prefix-cache"]).prefix_cache is False
     assert p.parse_args(["--out", "x", "--profile-with-stack"]).profile_with_stack is True
@@ -36,10 +36,10 @@ def test_qflash_prefix_caching_in_the_bench_is_as_served_unless_turned_off():
 
 
 def test_prompts_are_fresh_random_ids_in_range():
-    a, b, c = bench.make_prompt(2048, 1), bench.make_prompt(2048, 2), bench.make_prompt(64, 1)
+    a, b, c = systems.make_prompt(2048, 1), systems.make_prompt(2048, 2), systems.make_prompt(64, 1)
     assert len(a) == 2048 and len(c) == 64
-    assert all(bench.TOKEN_RANGE[0] <= t < bench.TOKEN_RANGE[1] for t in a + c)
-    assert a != b and a[:64] != c and bench.make_prompt(2048, 1) == a
+    assert all(systems.TOKEN_RANGE[0] <= t < systems.TOKEN_RANGE[1] for t in a + c)
+    assert a != b and a[:64] != c and systems.make_prompt(2048, 1) == a
     assert len(set(a)) > 1900
 
 
@@ -136,9 +136,9 @@ def test_cli_argument_errors(args, message, capsys):
 def test_flags_bench_does_not_know_go_to_the_sglang_servers():
     from qflash.server.cli import parser
 
-    args, extra = parser().parse_known_args(["bench", "--out", "x", "--systems", "qflash", "--speculative-attention-mode", "decode"])
+    args, extra = parser("bench").parse_known_args(["bench", "--out", "x", "--systems", "qflash", "--speculative-attention-mode", "decode"])
     assert args.passthrough and extra == ["--speculative-attention-mode", "decode"] and args.profile_steps == 0
-    assert parser().parse_args(["bench", "--out", "x", "--profile-steps", "8"]).profile_steps == 8
+    assert parser("bench").parse_args(["bench", "--out", "x", "--profile-steps", "8"]).profile_steps == 8
 
 
 def test_committed_h200_run_re_renders_from_its_samples():
@@ -163,7 +163,7 @@ def test_a_bench_stopped_while_it_profiles_keeps_its_timed_rows(tmp_path, monkey
     sample = {"latency_ms": 300.0, "ttft_ms": 50.0, "output_tokens": 256, "accept_len": 6.5, "verify_steps": 40}
     monkeypatch.setattr(bench, "system_server", server)
     monkeypatch.setattr(bench, "time_request", lambda url, ids: dict(sample))
-    monkeypatch.setattr("qflash.server.profile.profile_buckets", stopped)
+    monkeypatch.setattr("qflash.server.tools.profile.profile_buckets", stopped)
     with pytest.raises(KeyboardInterrupt):
         bench.run_bench(["sglang-bf16", "qflash"], tmp_path, [64], timed=2, acc_len=6.5, profile_steps=8)
     run = json.loads((tmp_path / "run.json").read_text())
@@ -182,3 +182,14 @@ def test_host_info_names_the_cpu_of_proc_cpuinfo():
     cpuinfo = open("/proc/cpuinfo").read()
     assert bench.host_info()["cpu"] == re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M).group(1).strip()
     assert bench.host_info()["cores"] == os.cpu_count()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message shown on a machine without a GPU")
+@pytest.mark.parametrize("command", [["bench", "--systems", "qflash"], ["profile"], ["bench-kernels"], ["tune"]])
+def test_gpu_commands_say_there_is_no_gpu_before_starting_or_writing_anything(command, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = [*command, "--out", str(out)] if command[0] != "tune" else command
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"qflash {command[0]}: no CUDA GPU is visible; qflash serves on an NVIDIA GPU (sm80 or newer)"]
+    assert not out.exists()

@@ -80,11 +80,11 @@ def test_cases_it_does_not_serve_are_left_to_sglang():
 def test_the_plugin_puts_block_attention_behind_sglangs_verify_hook():
     from types import SimpleNamespace
 
-    from qflash.server import patches
+    from qflash.server.hooks import attention
 
-    backend = SimpleNamespace(page_size=1, use_verify_splitkv=False, verify_splitkv_fwd=None)
-    patches._split_kv_block_attention(None, backend)
+    backend = SimpleNamespace(page_size=1, use_verify_splitkv=False, verify_splitkv_fwd=None, extend_attention_fwd=None)
+    attention._use_qflash_attention(None, backend)
     assert backend.use_verify_splitkv and backend.verify_splitkv_fwd.__wrapped__ is ba.block_attention
-    paged = SimpleNamespace(page_size=16, use_verify_splitkv=False, verify_splitkv_fwd=None)
-    patches._split_kv_block_attention(None, paged)  # kv_indices would hold pages: left to SGLang
+    paged = SimpleNamespace(page_size=16, use_verify_splitkv=False, verify_splitkv_fwd=None, extend_attention_fwd=None)
+    attention._use_qflash_attention(None, paged)  # kv_indices would hold pages: left to SGLang
     assert not paged.use_verify_splitkv

@@ -1,4 +1,4 @@
-"""SGLang's causal-conv1d update with qflash's channel tiles (server/patches.py, apply_conv_update_tiles).
+"""SGLang's causal-conv1d update with qflash's channel tiles (server/hooks/gdn_verify.py).
 
 The GDN verify's conv update runs as SGLang 0.5.17 launches it (256 channels per program) and as qflash's
 plugin launches it (CONV_UPDATE_BLOCK_N), on the same inputs: the outputs, the updated conv states and the
@@ -53,7 +53,7 @@ def tiled_update(device: str, dim: int, batch: int) -> dict:
 
 
 def check(got: dict) -> None:
-    from qflash.server.patches import CONV_UPDATE_BLOCK_N
+    from qflash.server.hooks.gdn_verify import CONV_UPDATE_BLOCK_N
 
     assert got["tiles"] == CONV_UPDATE_BLOCK_N < 256
     assert got["windows written"] and got["finite"]

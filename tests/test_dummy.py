@@ -1,12 +1,14 @@
 """`qflash make-dummy`: configs of the exact shapes and an offline tokenizer that transformers loads."""
 
 import json
+import logging
 
 import pytest
+import transformers
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from qflash.server import preset
-from qflash.server.dummy import is_dummy_dir
+from qflash.server.launcher import is_dummy_dir
 
 
 def test_target_loads_as_a_transformers_config(dummy_dirs):
@@ -21,7 +23,34 @@ def test_target_loads_as_a_transformers_config(dummy_dirs):
 
 def test_drafter_config_is_written_verbatim(dummy_dirs):
     _, drafter = dummy_dirs
-    assert json.loads((drafter / "config.json").read_text()) == preset.DRAFTER_CONFIG
+    written = json.loads((drafter / "config.json").read_text())
+    assert written.pop("transformers_version") == transformers.__version__  # as save_pretrained writes it
+    assert written == preset.DRAFTER_CONFIG
+
+
+def test_loading_the_tokenizer_warns_of_nothing(dummy_dirs, caplog):
+    """Without `transformers_version` in config.json transformers takes a local tokenizer for a Mistral one and
+    warns that its regex pattern is wrong: a user reads that as a broken tokenizer."""
+    with caplog.at_level(logging.WARNING):
+        for folder in dummy_dirs:
+            AutoTokenizer.from_pretrained(folder)
+    assert "regex" not in caplog.text
+
+
+def test_make_dummy_never_writes_over_a_model_it_did_not_write(dummy_dirs, tmp_path, capsys):
+    from qflash.server.cli import main
+    from qflash.server.dummy import make_dummy
+
+    root = tmp_path / "models"
+    (root / "Qwen3.5-4B").mkdir(parents=True)
+    real = (root / "Qwen3.5-4B" / "config.json")
+    real.write_text('{"a real": "config"}')
+    assert main(["make-dummy", str(root)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"qflash make-dummy: {root / 'Qwen3.5-4B'} already holds a model that make-dummy did not write; "
+                   "pick another folder"]
+    assert real.read_text() == '{"a real": "config"}' and not (root / "Qwen3.5-4B-DFlash").exists()
+    make_dummy(dummy_dirs[0].parent)  # its own output: written again
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from conftest import REPO
-from qflash.server.eval import GATES, Gate, parse_gate, results_table
+from qflash.server.tools.eval import GATES, Gate, parse_gate, results_table
 
 TINY = REPO / "tests" / "data" / "eval"
 ANSWERS = {json.loads(line)["question"]: json.loads(line)["answer"] for line in (TINY / "qflash_tiny.jsonl").open()}

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, SERVED as BASE
+from conftest import REPO, SERVED as BASE, SERVED_KEY
 
 SITE = os.environ.get("QFLASH_EVAL_SITE")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -41,7 +41,7 @@ def test_qflash_eval_runs_lm_eval_against_the_server(server, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "qflash.server.cli", "eval", "--base-url", BASE, "--tasks", "qflash_tiny",
          "--include-path", str(REPO / "tests" / "data" / "eval"), "--threshold", "qflash_tiny:exact_match,none=0",
-         "--output", str(out)], capture_output=True, text=True, timeout=300, env=ENV)
+         "--output", str(out), "--api-key", SERVED_KEY], capture_output=True, text=True, timeout=300, env=ENV)
     print(result.stdout)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     saved = json.loads(out.read_text())

@@ -1,11 +1,11 @@
-"""Fresh-prompt prefill attention through torch's SDPA (server/flash_prefill.py): causal attention over the new
+"""Fresh-prompt prefill attention through torch's SDPA (kernels/flash_prefill.py): causal attention over the new
 tokens against float64, padding rows untouched, and every case it does not serve handed to SGLang's kernel
 with its arguments unchanged. The H200 comparison with SGLang's extend kernel: test_flash_prefill_gpu.py."""
 
 import pytest
 import torch
 
-from qflash.server import flash_prefill as fp
+from qflash.kernels import flash_prefill as fp
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -73,9 +73,9 @@ def test_what_it_does_not_serve_goes_to_sglang_unchanged(change):
 def test_the_plugin_wraps_the_backends_extend_kernel():
     from types import SimpleNamespace
 
-    from qflash.server import patches
+    from qflash.server.hooks import attention
 
-    backend = SimpleNamespace(extend_attention_fwd=never_called)
-    patches._flash_prefill_attention(None, backend)
+    backend = SimpleNamespace(page_size=1, extend_attention_fwd=never_called)
+    attention._use_qflash_attention(None, backend)
     assert backend.extend_attention_fwd.__wrapped__.func is fp.flash_prefill
     assert backend.extend_attention_fwd.__wrapped__.args == (never_called,)

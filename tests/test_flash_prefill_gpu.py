@@ -1,10 +1,10 @@
-"""A fresh prompt's prefill attention on torch's SDPA (server/flash_prefill.py) against SGLang's Triton extend
+"""A fresh prompt's prefill attention on torch's SDPA (kernels/flash_prefill.py) against SGLang's Triton extend
 kernel, the path it replaces, and float32 attention, at the target's real head shapes (GPU only)."""
 
 import pytest
 import torch
 
-from qflash.server.flash_prefill import flash_prefill
+from qflash.kernels.flash_prefill import flash_prefill
 from test_flash_prefill import problem
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -1,4 +1,4 @@
-"""DFLASH's GDN commit under `--enable-linear-replayssm-spec` (server/patches.py, apply_gdn_fold_commit).
+"""DFLASH's GDN commit under `--enable-linear-replayssm-spec` (server/hooks/gdn_verify.py).
 
 On the GPU, the GDN verify runs a 16-token block for two requests twice: SGLang 0.5.17's kernel caching the
 state after every step (what DFLASH commits from without the flag), and qflash's, to which the plugin routes

@@ -1,4 +1,4 @@
-"""qflash's GDN verify and commit fold (kernels/gdn_verify.py, routed by patches.apply_gdn_verify_tiles).
+"""qflash's GDN verify and commit fold (kernels/gdn_verify.py, routed by server/hooks/gdn_verify.py).
 
 In one process, SGLang 0.5.17's verify runs first; then qflash's plugin is loaded and the same call (the
 module attribute, by keyword, as SGLang's GDN backend makes it) reaches qflash's verify. Checked:
@@ -72,8 +72,9 @@ resumed, _ = verify(folded, q[:, rest], k[:, rest], v[:, rest], a[rest], b[rest]
 untouched = [s for s in range(SLOTS) if s not in slots.tolist() + [track_slot]]
 
 err = ((mine.double() - stock.double()).norm() / stock.double().norm()).item()
-print(json.dumps({"routed": recurrent.fused_sigmoid_gating_delta_rule_update.__code__.co_filename,
-                  "fold": fold.commit_gdn_replayssm_fold_all_layers.__module__,
+hooked_by = lambda fn: sorted({getattr(c.cell_contents, "__module__", "") for c in fn.__closure__ or ()} - {"", None})
+print(json.dumps({"routed": hooked_by(recurrent.fused_sigmoid_gating_delta_rule_update),
+                  "fold": hooked_by(fold.commit_gdn_replayssm_fold_all_layers),
                   "rings equal": [torch.equal(x, y) for x, y in zip(stock_rings, rings)],
                   "rings written": [bool(r[slots.long()].abs().sum() > 0) for r in rings],
                   "output error": err, "finite": bool(mine.isfinite().all()),
@@ -95,7 +96,7 @@ def tiled_verify(device: str, batch: int, h: int, hv: int, k: int, v: int) -> di
 
 
 def check(got: dict, tolerance: float) -> None:
-    assert got["routed"].endswith("server/patches.py") and got["fold"] == "qflash.kernels.gdn_verify"
+    assert "qflash.server.hooks.gdn_verify" in got["routed"] and "qflash.server.hooks.gdn_verify" in got["fold"]
     assert got["rings equal"] == got["rings written"] == [True] * 4, "raw v, raw k, gate, beta"
     assert got["finite"] and got["output error"] <= tolerance, got["output error"]
     assert got["resumed"], "verify after the fold gives the first verify's outputs"

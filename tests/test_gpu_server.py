@@ -6,7 +6,7 @@ import pytest
 import requests
 import torch
 
-from conftest import SERVED as BASE
+from conftest import API, SERVED as BASE, SERVED_KEY
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -24,17 +24,17 @@ def server(served):
 def client(server):
     from openai import OpenAI
 
-    return OpenAI(base_url=BASE + "/v1", api_key="none")
+    return OpenAI(base_url=BASE + "/v1", api_key=SERVED_KEY)
 
 
 def assert_still_serving():
-    assert requests.get(BASE + "/health", timeout=30).status_code == 200
-    r = requests.post(BASE + "/generate", json={"text": "ok", "sampling_params": {"max_new_tokens": 4}}, timeout=60)
+    assert API.get(BASE + "/health", timeout=30).status_code == 200
+    r = API.post(BASE + "/generate", json={"text": "ok", "sampling_params": {"max_new_tokens": 4}}, timeout=60)
     assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 4
 
 
 def test_health(server):
-    assert requests.get(BASE + "/health", timeout=30).status_code == 200
+    assert API.get(BASE + "/health", timeout=30).status_code == 200
 
 
 def test_models_lists_the_served_model(client):
@@ -43,7 +43,7 @@ def test_models_lists_the_served_model(client):
 
 def test_native_generate_speculates(server):
     body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}}
-    r = requests.post(BASE + "/generate", json=body, timeout=120)
+    r = API.post(BASE + "/generate", json=body, timeout=120)
     assert r.status_code == 200, r.text
     out = r.json()
     assert isinstance(out["text"], str) and out["meta_info"]["completion_tokens"] == 64
@@ -52,7 +52,7 @@ def test_native_generate_speculates(server):
 
 def test_native_generate_from_token_ids_is_greedy_deterministic(server):
     body = {"input_ids": list(range(1000, 1100)), "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}}
-    first, second = (requests.post(BASE + "/generate", json=body, timeout=120).json() for _ in range(2))
+    first, second = (API.post(BASE + "/generate", json=body, timeout=120).json() for _ in range(2))
     assert first["output_ids"] == second["output_ids"] and len(first["output_ids"]) == 32
 
 
@@ -84,7 +84,7 @@ def test_sglang_frontend_program(server):
         s += "Q: " + question + "\nA:"
         s += sgl.gen("answer", max_tokens=16, temperature=0)
 
-    state = answer.run(question="What is 2 + 2?", backend=sgl.RuntimeEndpoint(BASE))
+    state = answer.run(question="What is 2 + 2?", backend=sgl.RuntimeEndpoint(BASE, api_key=SERVED_KEY))
     assert isinstance(state["answer"], str)
     assert state.get_meta_info("answer")["completion_tokens"] <= 16
 
@@ -92,7 +92,7 @@ def test_sglang_frontend_program(server):
 def test_eight_concurrent_requests_all_complete(server):
     def one(i):
         body = {"input_ids": [1000 + i] * (64 + 100 * i), "sampling_params": {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}}
-        return requests.post(BASE + "/generate", json=body, timeout=300)
+        return API.post(BASE + "/generate", json=body, timeout=300)
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(one, range(8)))
@@ -164,19 +164,49 @@ BAD = {
     "temperature -1, chat": (CHAT, chat(temperature=-1), None),
     "temperature not a number, chat": (CHAT, chat(temperature="hot"), None),
     "temperature -1, completions": (COMPLETIONS, completion(temperature=-0.5), None),
+    "n over the limit, native": (GENERATE, native(n=17), None),
+    "n over the limit, chat": (CHAT, chat(n=17, max_tokens=4), None),
+    "top_logprobs over the limit, chat": (CHAT, chat(logprobs=True, top_logprobs=21, max_tokens=4), None),
+    "top_logprobs_num 10**9, native": (GENERATE, {"text": "hi", "return_logprob": True, "top_logprobs_num": 10**9}, None),
+    "logprobs 10**6, completions": (COMPLETIONS, completion(logprobs=10**6, max_tokens=4), None),
+    "body over the limit, native": (GENERATE, b'{"text": "' + b"x" * (33 << 20) + b'"}', RAW),
 }
+# The limits' own messages (a DFLASH server refuses logprobs anyway, later: the limit must come first).
+LIMIT_MESSAGES = {"n over the limit": "at most 16", "top_logprobs": "from 0 to 20", "logprobs 10**6": "from 0 to 20",
+                  "body over the limit": "larger than"}
 
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_input_gets_a_readable_4xx_and_the_server_keeps_serving(server, case):
     url, body, kind = BAD[case]
     if kind == RAW:
-        r = requests.post(url, data=body, headers={"Content-Type": "application/json"}, timeout=120)
+        r = API.post(url, data=body, headers={"Content-Type": "application/json"}, timeout=120)
     else:
-        r = requests.post(url, json=body, timeout=120)
+        r = API.post(url, json=body, timeout=120)
     assert 400 <= r.status_code < 500, f"{case}: {r.status_code} {r.text[:500]}"
     error = r.json()
     message = error.get("message") or error.get("error", {}).get("message") or error.get("detail")
     assert message, f"{case}: no message in {error}"
     print(f"\n{case}: {r.status_code} {str(message)[:160]}")
+    assert 'File "' not in str(message), "a server file path in the message"
+    expected = next((m for prefix, m in LIMIT_MESSAGES.items() if case.startswith(prefix)), None)
+    assert expected is None or expected in str(message), message
     assert_still_serving()
+
+
+def test_the_api_key_is_required_everywhere_but_health(server):
+    assert requests.get(BASE + "/health", timeout=30).status_code == 200  # liveness probes carry no key
+    for method, url, body in (("post", GENERATE, native(max_new_tokens=2)), ("post", CHAT, chat(max_tokens=2)),
+                              ("get", BASE + "/v1/models", None), ("post", BASE + "/flush_cache", None)):
+        assert getattr(requests, method)(url, json=body, timeout=60).status_code == 401, url
+        wrong = {"Authorization": "Bearer wrong"}
+        assert getattr(requests, method)(url, json=body, headers=wrong, timeout=60).status_code == 401, url
+        assert getattr(API, method)(url, json=body, timeout=120).status_code == 200, url
+
+
+def test_the_log_says_how_many_hooks_each_process_applied(server):
+    from conftest import served_log
+
+    lines = [line for line in served_log().splitlines() if " hooks applied on sglang 0.5.17" in line]
+    print("\n" + "\n".join(lines))
+    assert len(lines) >= 2 and all(line.split("qflash: ")[1].startswith("21 hooks applied") for line in lines)

@@ -1,5 +1,5 @@
 """CUDA-graph policy (graphs/policy.py), its start-up and run-time reports (graphs/monitor.py), and the
-hooks that feed them (server/patches.py)."""
+hooks that feed them (server/hooks/graph_monitor.py)."""
 
 import logging
 from types import SimpleNamespace
@@ -10,7 +10,7 @@ import torch
 from conftest import run_python
 from qflash.graphs.monitor import EagerSteps, capture_report
 from qflash.graphs.policy import decode_batch_sizes, graph_flags, prefill_token_buckets
-from qflash.server import patches
+from qflash.server.hooks import graph_monitor
 
 
 def test_every_admitted_batch_size_gets_verify_and_draft_graphs():
@@ -63,15 +63,15 @@ def test_eager_step_hook_counts_only_steps_without_a_graph(monkeypatch, caplog):
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.model_executor.model_runner import ModelRunnerOutput
 
-    monkeypatch.setattr(patches, "EAGER_STEPS", EagerSteps())
+    monkeypatch.setattr(graph_monitor, "EAGER_STEPS", EagerSteps())
     runner = SimpleNamespace(is_draft_worker=False)
     batch = lambda mode, n: SimpleNamespace(forward_mode=mode, batch_size=1, input_ids=torch.zeros(n))  # noqa: E731
-    with caplog.at_level(logging.INFO, logger=patches.logger.name):
+    with caplog.at_level(logging.INFO, logger=graph_monitor.logger.name):
         for mode, n, graph in [(ForwardMode.EXTEND, 9000, False), (ForwardMode.TARGET_VERIFY, 16, True),
                                (ForwardMode.IDLE, 0, False), (ForwardMode.TARGET_VERIFY, 16, False)]:
             out = ModelRunnerOutput(logits_output=None, can_run_graph=graph)
-            assert patches._count_eager_step(out, runner, batch(mode, n)) is out
-    assert dict(patches.EAGER_STEPS.counts) == {("target", "EXTEND"): 1, ("target", "TARGET_VERIFY"): 1}
+            assert graph_monitor._count_eager_step(out, runner, batch(mode, n)) is out
+    assert dict(graph_monitor.EAGER_STEPS.counts) == {("target", "EXTEND"): 1, ("target", "TARGET_VERIFY"): 1}
     assert "target EXTEND step ran eagerly (batch 1, 9000 tokens)" in caplog.text
 
 

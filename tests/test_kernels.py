@@ -15,7 +15,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from qflash.kernels import block_attention, config_table, per_token_quant, shapes, w8a16_argmax, w8a16_gemm, w8a8_gemm
+from qflash.kernels import block_attention, config_table, per_token_quant, w8a16_argmax, w8a16_gemm, w8a8_gemm
+from qflash.server.tools import shapes
 from qflash.server import preset
 from conftest import REPO, run_python
 
@@ -158,8 +159,10 @@ def test_tuner_output_is_read_back_by_the_launcher(tmp_path):
     path.write_text(open(w8a8_gemm.__file__).read())
     table = {("prefill", 8192, 2560, 9216): dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, QUANT_X=False, num_warps=8, num_stages=3),
              ("verify", 16, 64, 2560): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=True, num_warps=4, num_stages=4)}
-    config_table.write(path, table, "NVIDIA H200 (sm90)")
-    config_table.write(path, table, "NVIDIA H200 (sm90)")  # rewriting replaces, never appends
+    from qflash.server.tools import tune
+
+    tune.write(path, table, "NVIDIA H200 (sm90)")
+    tune.write(path, table, "NVIDIA H200 (sm90)")  # rewriting replaces, never appends
     text = path.read_text()
     assert text.count("CONFIGS = {") == 1 and text.count("# Tuned on NVIDIA H200 (sm90)") == 1
     tree = ast.parse(text)
@@ -186,7 +189,7 @@ def test_shapes_follow_from_the_preset():
 
 
 def test_bench_kernels_gdn_table_renders():
-    from qflash.kernels.bench import GDN_TILES, render_gdn
+    from qflash.server.tools.bench_kernels import GDN_TILES, render_gdn
 
     row = {"batch": 1, "sglang_verify_us": 29.9, "sglang_fold_us": 56.0,
            **{f"verify_{bv}_us": 10.0 + bv for bv in GDN_TILES}, **{f"fold_{bv}_us": None for bv in GDN_TILES}}
@@ -196,7 +199,7 @@ def test_bench_kernels_gdn_table_renders():
 
 
 def test_bench_kernels_gdn_prefill_table_renders():
-    from qflash.kernels.bench import render_gdn_prefill
+    from qflash.server.tools.bench_kernels import render_gdn_prefill
     from qflash.kernels.gdn_prefill import MAX_TOKENS
 
     table = render_gdn_prefill([{"tokens": 64, "sglang_gpu_us": 37.0, "sglang_host_us": 668.7, "qflash_gpu_us": 70.5,
@@ -206,7 +209,7 @@ def test_bench_kernels_gdn_prefill_table_renders():
 
 
 def test_bench_kernels_table_renders():
-    from qflash.kernels.bench import render
+    from qflash.server.tools.bench_kernels import render
 
     row = {"phase": "verify", "gemm": "mlp.down_proj", "M": 16, "N": 2560, "K": 9216, "cublas_bf16_us": 14.0,
            "int_mm_us": None, "sglang_int8_us": 12.0, "qflash_us": 8.0, "qflash_weight_gbps": 2949.1,
@@ -283,7 +286,7 @@ def test_every_table_config_compiles_for_sm90():
 
 
 def test_bench_kernels_prefill_attention_table_renders():
-    from qflash.kernels.bench import render_prefill_attention
+    from qflash.server.tools.bench_kernels import render_prefill_attention
 
     table = render_prefill_attention([{"tokens": 8192, "sglang_us": 4750.0, "sdpa_us": 1500.0,
                                        "sglang_tflops": 115.8, "sdpa_tflops": 366.6}])

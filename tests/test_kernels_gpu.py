@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from qflash.kernels.shapes import DECODE_M, DRAFTER, LM_HEAD, PREFILL_M, TARGET
+from qflash.kernels.config_table import DECODE_M, PREFILL_M
+from qflash.server.tools.shapes import DRAFTER, LM_HEAD, TARGET
 from test_kernels import quant_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

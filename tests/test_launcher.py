@@ -5,6 +5,8 @@ import os
 import shlex
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,15 +79,49 @@ def test_target_without_drafter_is_refused(cache, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown on a machine without a GPU")
-def test_without_a_gpu_it_says_so_in_one_line(cache):
-    result = launch(cache=cache)
+def test_without_a_gpu_it_says_so_in_one_line_before_building_anything(tmp_path):
+    result = launch(cache=tmp_path)
     assert result.returncode == 1
-    assert result.stderr.strip().splitlines() == ["qflash: no CUDA GPU is visible; qflash serves on an NVIDIA GPU (sm80 or newer)"]
-    assert result.stdout == ""
+    assert result.stderr.strip().splitlines() == ["qflash serve: no CUDA GPU is visible; qflash serves on an NVIDIA GPU (sm80 or newer)"]
+    assert result.stdout == "" and not (tmp_path / "dummy").exists()
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "--model-path {target} does not exist or is not a folder"),
+    ("no config", "--model-path {target} has no config.json (not a Hugging Face model folder)"),
+    ("bad config", "--model-path {target}/config.json is not valid JSON"),
+    ("missing drafter", "--draft-model-path {drafter} does not exist or is not a folder"),
+])
+def test_a_model_folder_that_is_not_one_is_a_one_line_error(case, message, tmp_path):
+    target, drafter = tmp_path / "target", tmp_path / "drafter"
+    if case != "missing":
+        target.mkdir()
+    if case in ("bad config", "missing drafter"):
+        (target / "config.json").write_text("{" if case == "bad config" else "{}")
+    if case != "missing drafter":
+        drafter.mkdir()
+        (drafter / "config.json").write_text("{}")
+    result = launch("--model-path", str(target), "--draft-model-path", str(drafter), cache=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    line, = result.stderr.strip().splitlines()
+    assert line.startswith("qflash serve: " + message.format(target=target, drafter=drafter)), line
+
+
+def test_the_api_key_reaches_sglang_and_other_hosts_without_one_are_warned(cache):
+    result = launch("--api-key", "k3y", "--dry-run", cache=cache)
+    assert result.returncode == 0 and result.stderr == ""
+    argv = shlex.split(result.stdout.strip().splitlines()[-1])
+    assert flag(argv, "--api-key") == "k3y"
+    env = {**os.environ, "QFLASH_CACHE": str(cache), "PYTHON": sys.executable, "QFLASH_API_KEY": "from-env"}
+    result = subprocess.run([str(REPO / "launch.sh"), "--dry-run"], capture_output=True, text=True, env=env, timeout=300)
+    assert flag(shlex.split(result.stdout.strip().splitlines()[-1]), "--api-key") == "from-env"
+    result = launch("--host", "0.0.0.0", "--dry-run", cache=cache)
+    assert result.returncode == 0 and "--api-key" not in result.stdout
+    assert result.stderr.startswith("qflash: warning: listening on 0.0.0.0 without --api-key")
 
 
 def test_a_quantized_checkpoint_is_served_by_qflash_w8a8(cache, tmp_path):
-    from qflash.quant.quantize import quantized_config
+    from qflash.quant.layout import quantized_config
     from qflash.server.preset import TARGET_CONFIG
 
     target, drafter = tmp_path / "Qwen3.5-4B-W8A8", tmp_path / "drafter"
@@ -100,19 +136,20 @@ def test_a_quantized_checkpoint_is_served_by_qflash_w8a8(cache, tmp_path):
     assert "--load-format" not in argv and flag(argv, "--served-model-name") == "Qwen3.5-4B-W8A8"
 
 
-def test_freeze_gc_posts_to_sglangs_route():
-    """`qflash serve` freezes the server's start-up heap through SGLang's own route, which must exist as called."""
+def test_freeze_gc_posts_to_sglangs_route_with_the_api_key():
+    """`qflash serve` freezes the server's start-up heap through SGLang's own route, which must exist as called, and
+    which a server with an API key answers only with it."""
     import http.server
     import threading
 
     from sglang.srt.entrypoints.http_server import app
-    from qflash.server.launcher import freeze_gc
+    from qflash.server.launcher import ServerProcess, freeze_gc
 
     seen = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
-            seen.append(("POST", self.path))
+            seen.append(("POST", self.path, self.headers.get("Authorization")))
             self.send_response(200)
             self.end_headers()
 
@@ -121,10 +158,18 @@ def test_freeze_gc_posts_to_sglangs_route():
 
     stub = http.server.HTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=stub.handle_request, daemon=True).start()
-    freeze_gc(f"http://127.0.0.1:{stub.server_port}")
+    freeze_gc(ServerProcess([], {}, Path("log"), f"http://127.0.0.1:{stub.server_port}", api_key="k3y"))
     stub.server_close()
-    assert seen == [("POST", "/freeze_gc")]
+    assert seen == [("POST", "/freeze_gc", "Bearer k3y")]
     assert any(getattr(r, "path", None) == "/freeze_gc" and "POST" in r.methods for r in app.routes)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_a_port_already_serving_is_refused_before_anything_starts(tmp_path):
@@ -143,15 +188,63 @@ def test_a_port_already_serving_is_refused_before_anything_starts(tmp_path):
     assert server.proc is None
 
 
+def test_a_server_that_dies_while_starting_is_reported_at_once_with_qflash_s_reason(tmp_path):
+    from qflash.server.launcher import ServerDied, ServerProcess
+
+    log = tmp_path / "log"
+    log.write_text("qflash: refusing to start: an earlier run's line, which must not count\n")
+    died = "import sys; print('[2026] qflash: refusing to start: found sglang 0.5.18', file=sys.stderr); sys.exit(1)"
+    server = ServerProcess([sys.executable, "-c", died], dict(os.environ), log, f"http://127.0.0.1:{free_port()}").start()
+    start = time.monotonic()
+    with pytest.raises(ServerDied, match=r"^refusing to start: found sglang 0.5.18$"):
+        server.wait_ready(timeout_s=60)
+    assert time.monotonic() - start < 30  # not the timeout: the exit is noticed
+    silent = ServerProcess([sys.executable, "-c", "raise SystemExit(3)"], dict(os.environ), tmp_path / "log2",
+                           f"http://127.0.0.1:{free_port()}").start()
+    with pytest.raises(ServerDied, match="server exited with code 3"):
+        silent.wait_ready(timeout_s=60)
+
+
+SPAWNS_A_CHILD = "import subprocess, sys, time; print(subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']).pid, flush=True); time.sleep(120)"
+
+
+def test_stop_ends_the_servers_children_too(tmp_path):
+    """SGLang's scheduler and detokenizer are the server's children: stopping only the server would leave them
+    holding the GPU."""
+    from qflash.server.launcher import ServerProcess
+
+    log = tmp_path / "log"
+    server = ServerProcess([sys.executable, "-c", SPAWNS_A_CHILD], dict(os.environ), log, f"http://127.0.0.1:{free_port()}").start()
+    deadline = time.monotonic() + 60
+    while not log.read_text().strip() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = int(log.read_text().split()[0])
+    server.stop()
+    deadline = time.monotonic() + 30
+    while gone(child) is False and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(child)
+
+
+def gone(pid: int) -> bool:
+    """True once `pid` has exited (a zombie left for init counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 STOPPED_BY_SIGTERM = """
 import os, sys, time
 from pathlib import Path
 from qflash.server.launcher import ServerProcess, unwind_on_sigterm
 unwind_on_sigterm()
 server = ServerProcess([sys.executable, "-c", "import time; time.sleep(120)"], dict(os.environ), Path(sys.argv[1]),
-                       "http://127.0.0.1:" + sys.argv[2]).start()
-print(server.proc.pid, flush=True)
+                       "http://127.0.0.1:" + sys.argv[2])
 try:
+    server.start()
+    print(server.proc.pid, flush=True)  # inside the try: a SIGTERM from here on stops the server
     time.sleep(120)
 finally:
     server.stop()
@@ -161,15 +254,52 @@ finally:
 def test_sigterm_stops_the_started_server_too(tmp_path):
     """What `qflash serve`, `qflash bench` and `qflash profile` do when `timeout` or `kill` stops them."""
     import signal
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    parent = subprocess.Popen([sys.executable, "-c", STOPPED_BY_SIGTERM, str(tmp_path / "log"), str(port)],
+    parent = subprocess.Popen([sys.executable, "-c", STOPPED_BY_SIGTERM, str(tmp_path / "log"), str(free_port())],
                               stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
     parent.send_signal(signal.SIGTERM)
     assert parent.wait(timeout=60) != 0
-    with pytest.raises(ProcessLookupError):  # the server's process group is gone (reaped by stop())
-        os.kill(child, 0)
+    assert gone(child)  # stop() waited for the server's process group
+
+
+STUB_SERVER = """
+import http.server, os, sys, threading
+if os.environ.get("STUB_PRINTS"):
+    print("qflash: 21 hooks applied on sglang 0.5.17: ...", file=sys.stderr, flush=True)
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+
+    def do_POST(self):  # /freeze_gc, the launcher's last call: then the server exits
+        self.send_response(200); self.end_headers()
+        threading.Thread(target=server.shutdown).start()
+
+    def log_message(self, *args):
+        pass
+
+server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler)
+server.serve_forever()
+"""
+
+
+@pytest.mark.parametrize("prints", [True, False], ids=["with qflash", "without qflash's plugin"])
+def test_serve_reports_ready_only_once_the_server_says_qflash_is_in_place(prints, tmp_path, monkeypatch, capsys):
+    from qflash.server import launcher
+    from qflash.server.cli import parser
+
+    port = free_port()
+    monkeypatch.setattr(launcher, "require_gpu", lambda: None)
+    monkeypatch.setattr(launcher, "dummy_model_dirs", lambda: (tmp_path, tmp_path))
+    monkeypatch.setattr(launcher, "sglang_argv", lambda *args, **kwargs: [sys.executable, "-c", STUB_SERVER, str(port)])
+    monkeypatch.setenv("STUB_PRINTS", "1" if prints else "")
+    args = parser("serve").parse_args(["serve", "--port", str(port), "--log", str(tmp_path / "log")])
+    assert launcher.run(args, []) == (0 if prints else 1)
+    out, err = capsys.readouterr()
+    if prints:
+        assert "qflash: 21 hooks applied on sglang 0.5.17" in out and "ready in" in out
+    else:
+        assert "ready in" not in out
+        assert err.strip().splitlines()[-1] == ("qflash: the server started without qflash's SGLang plugin "
+                                                "(is qflash installed in this Python?)")

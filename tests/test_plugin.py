@@ -11,7 +11,6 @@ import pytest
 
 from conftest import run_python
 from qflash.graphs.policy import prefill_token_buckets
-from qflash.server import patches
 from qflash.server.launcher import sglang_argv
 from qflash.server.models.qwen3_5_text import text_only_weights
 
@@ -127,7 +126,65 @@ def test_w8a8_server_arguments_pass_sglang_validation(dummy_dirs):
     assert got == ["qflash_w8a8", "qflash_w8a8", "Qwen3.5-4B"]
 
 
-def test_patches_refuse_another_sglang(monkeypatch):
-    monkeypatch.setattr(patches, "version", lambda name: "0.5.18")
-    with pytest.raises(RuntimeError, match="0.5.17"):
-        patches.check_version()
+LOAD = """
+import sys
+import qflash.server.hooks as hooks
+{fault}
+from sglang.srt.plugins import load_plugins
+load_plugins()
+print("loaded")
+"""
+FAULTS = {
+    "another SGLang": ('hooks.version = lambda name: "0.5.18"', "found sglang 0.5.18"),
+    "a renamed target": ("import qflash.server.hooks.draft_pick as m\n"
+                         "m.CHANGES[0] = hooks.Hook(m.WORKER + 'build_sampler', m._draft_sampler, 'AROUND')",
+                         "DFlashWorkerV2.build_sampler does not exist in sglang 0.5.17"),
+    "a hook HookRegistry skips": ("from sglang.srt.plugins.hook_registry import HookRegistry\n"
+                                  "_apply = HookRegistry._apply_target.__func__\n"
+                                  "def skip(cls, target, hooks):\n"
+                                  "    if target.endswith('TritonAttnBackend.__init__'): raise RuntimeError('renamed')\n"
+                                  "    return _apply(cls, target, hooks)\n"
+                                  "HookRegistry._apply_target = classmethod(skip)",
+                                  "not in place in sglang 0.5.17: sglang.srt.layers.attention.triton_backend.TritonAttnBackend.__init__"),
+    "an unregistered model class": ("from sglang.srt.models.registry import ModelRegistry\n"
+                                    "ModelRegistry.register = lambda *args, **kwargs: None", "not in place in sglang 0.5.17: model class"),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_server_process_refuses_to_start_without_qflash_in_place(fault):
+    """SGLang's own plugin loader swallows a plugin's exceptions and HookRegistry skips what it cannot apply; the
+    refusal is a SystemExit that stops the process, with one line that names what is missing and the version."""
+    code, message = FAULTS[fault]
+    result = run_python(LOAD.format(fault=code), env={"SGLANG_PLUGINS": "qflash"})
+    assert result.returncode != 0 and "loaded" not in result.stdout
+    refusal = [line for line in result.stderr.splitlines() if line.startswith("qflash: refusing to start: ")]
+    assert len(refusal) == 1 and message in refusal[0], result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("plugins, count", [("qflash", 21), ("qflash_text_only", 1), ("", 21)])
+def test_each_process_says_how_many_hooks_it_applied(plugins, count):
+    """`qflash serve` waits for this line; with SGLANG_PLUGINS unset SGLang loads both plugins, once each change."""
+    result = run_python(LOAD.format(fault=""), env={"SGLANG_PLUGINS": plugins})
+    assert result.returncode == 0 and "loaded" in result.stdout, result.stderr[-2000:]
+    applied = [line for line in result.stderr.splitlines() if " hooks applied on sglang 0.5.17: " in line]
+    assert sum(int(line.split()[1]) for line in applied) == count, applied
+
+
+QUIET = """
+import logging, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+if sys.argv[2] == "without the filter":
+    from qflash.server.hooks import quantization
+    logging.getLogger(quantization.LOGGER).removeFilter(quantization._keep)
+from sglang.srt.configs.model_config import ModelConfig
+print(ModelConfig(sys.argv[1]).quantization)
+"""
+
+
+@pytest.mark.parametrize("case", ["as served", "without the filter"])
+def test_no_not_fully_optimized_warning_for_qflash_w8a8(dummy_dirs, case):
+    result = run_python(QUIET, str(dummy_dirs[0].parent / "w8a8" / "Qwen3.5-4B"), case, env={"SGLANG_PLUGINS": "qflash"})
+    assert result.returncode == 0 and result.stdout.split()[-1] == "qflash_w8a8", result.stderr[-2000:]
+    assert ("not fully optimized" in result.stderr) == (case == "without the filter")

@@ -2,7 +2,7 @@
 
 The radix cache checkpoints the Gated-DeltaNet state every 256 tokens (`extra_buffer`); a checkpoint
 passed during decoding is written by a verify step whose committed tokens cross it, which is what
-sglang#37817 broke and server/patches.py fixes. Each case decodes across such a boundary, then sends a
+sglang#37817 broke and server/hooks/radix_cache.py fixes. Each case decodes across such a boundary, then sends a
 request extending that output: its cache hit includes the decode-written checkpoint, and its greedy
 output must equal, token for token, the same request on an empty cache (computed as with the radix cache
 off: a full prefill). Real verification (SGLANG_SIMULATE_ACC_LEN unset: acceptance decides where steps end).
@@ -11,10 +11,9 @@ off: a full prefill). Real verification (SGLANG_SIMULATE_ACC_LEN unset: acceptan
 import random
 
 import pytest
-import requests
 import torch
 
-from conftest import SERVED as BASE
+from conftest import API, SERVED as BASE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -32,13 +31,13 @@ def server(served):
 
 def generate(ids: list[int], new: int) -> dict:
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}}
-    r = requests.post(BASE + "/generate", json=body, timeout=300)
+    r = API.post(BASE + "/generate", json=body, timeout=300)
     assert r.status_code == 200, r.text[:1000]
     return r.json()
 
 
 def flush() -> None:
-    r = requests.post(BASE + "/flush_cache", timeout=60)
+    r = API.post(BASE + "/flush_cache", timeout=60)
     assert r.status_code == 200, r.text
 
 

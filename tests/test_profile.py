@@ -3,7 +3,7 @@
 import pytest
 
 from qflash.server.cli import parser
-from qflash.server.profile import family, launch_groups, render, summarize
+from qflash.server.tools.profile import family, launch_groups, render, summarize
 
 
 def kernel(name, ts, dur, cat="kernel", corr=None):
@@ -86,12 +86,12 @@ def test_a_trace_without_gpu_events_is_refused():
 
 
 def test_profile_command_line():
-    args, extra = parser().parse_known_args(["profile", "--out", "/tmp/p", "--prompt-len", "64,8192", "--attention-backend", "flashinfer"])
+    args, extra = parser("profile").parse_known_args(["profile", "--out", "/tmp/p", "--prompt-len", "64,8192", "--attention-backend", "flashinfer"])
     assert (args.system, args.prompt_len, args.steps, args.acc_len) == ("qflash", [64, 8192], 10, 6.5)
     assert extra == ["--attention-backend", "flashinfer"] and args.passthrough and not args.prefill
-    assert parser().parse_args(["profile", "--out", "/tmp/p", "--prefill", "--steps", "2"]).prefill
+    assert parser("profile").parse_args(["profile", "--out", "/tmp/p", "--prefill", "--steps", "2"]).prefill
     assert not args.with_stack and args.prefix_cache  # as served
-    args = parser().parse_args(["profile", "--out", "/tmp/p", "--with-stack", "--no-prefix-cache"])
+    args = parser("profile").parse_args(["profile", "--out", "/tmp/p", "--with-stack", "--no-prefix-cache"])
     assert args.with_stack and not args.prefix_cache
 
 
@@ -106,7 +106,7 @@ def test_the_profiler_starts_before_the_request_or_a_few_cycles_in(tmp_path, mon
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     from types import SimpleNamespace
 
-    from qflash.server import profile
+    from qflash.server.tools import profile
 
     monkeypatch.setattr(profile, "_wait_for_trace", lambda folder: next(folder.glob("*.trace.json.gz")))
     sent = []  # chunks streamed so far, per request

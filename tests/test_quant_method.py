@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from conftest import REPO, run_python
-from qflash.quant.method import DECODE_MAX_M, NAME, QflashW8A8Config, gemm_phase
-from qflash.quant.quantize import quantized_config
+from qflash.kernels.config_table import DECODE_MAX_M, gemm_phase
+from qflash.quant.layout import METHOD_NAME as NAME
+from qflash.quant.method import QflashW8A8Config
+from qflash.quant.layout import quantized_config
 from qflash.server.preset import TARGET_CONFIG
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -103,7 +103,7 @@ def test_config_describes_the_quantization(quantized):
     assert AutoConfig.from_pretrained(quantized).text_config.hidden_size == 64
 
 
-def test_existing_destination_needs_force(source, quantized):
+def test_an_earlier_output_is_replaced_only_with_force(source, quantized):
     with pytest.raises(CheckpointError, match="--force"):
         quantize_checkpoint(source, quantized)
     (quantized / "marker").write_text("old")
@@ -112,7 +112,53 @@ def test_existing_destination_needs_force(source, quantized):
     assert [p.name for p in quantized.parent.iterdir()] == [quantized.name]  # no temporary folder left behind
 
 
+def tree(folder) -> dict:
+    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))}
+
+
 @pytest.mark.parametrize("case, message", [
+    ("the source", "is the source"),
+    ("a folder holding the source", "is a folder holding the source"),
+    ("inside the source", "is inside the source"),
+    ("a user's folder", "exists and is not a `qflash quantize` output"),
+])
+def test_force_never_deletes_what_quantize_did_not_write(case, message, source, tmp_path):
+    """`qflash quantize models/Qwen3.5-small models --force` once deleted models/, the source with it."""
+    models = tmp_path / "models"
+    src = models / "Qwen3.5-small"
+    src.mkdir(parents=True)
+    for f in source.iterdir():
+        (src / f.name).symlink_to(f)
+    (models / "another-model").mkdir()
+    (models / "another-model" / "weights.bin").write_bytes(b"mine")
+    dst = {"the source": src, "a folder holding the source": models, "inside the source": src / "w8a8",
+           "a user's folder": models / "another-model"}[case]
+    before = tree(tmp_path)
+    with pytest.raises(CheckpointError, match=message):
+        quantize_checkpoint(src, dst, force=True)
+    assert tree(tmp_path) == before
+
+
+def test_an_empty_destination_folder_is_used(source, tmp_path):
+    (tmp_path / "empty").mkdir()
+    quantize_checkpoint(source, tmp_path / "empty")
+    assert (tmp_path / "empty" / "config.json").is_file()
+
+
+def test_shards_close_at_the_size_limit(tmp_path, monkeypatch):
+    from qflash.quant import quantize
+
+    monkeypatch.setattr(quantize, "SHARD_BYTES", 1000)
+    writer = quantize.ShardWriter(tmp_path)
+    for i in range(5):
+        writer.add(f"t{i}", torch.zeros(100))  # 400 bytes each: shards of 3 (1,200 bytes) and 2
+    writer.close()
+    shards = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(shards.values()) == ["model-00001.safetensors"] * 3 + ["model-00002.safetensors"] * 2
+
+
+@pytest.mark.parametrize("case, message", [
+    ("nonexistent", "does not exist or is not a folder"),
     ("missing", "no config.json"),
     ("llama", "not a Qwen3.5 checkpoint"),
     ("partial", "partial checkpoint, missing model-00002-of-00002.safetensors"),
@@ -120,8 +166,9 @@ def test_existing_destination_needs_force(source, quantized):
 ])
 def test_bad_sources_give_clear_errors(case, message, tmp_path, capsys):
     src = tmp_path / case
-    src.mkdir()
-    if case != "missing":
+    if case != "nonexistent":
+        src.mkdir()
+    if case not in ("missing", "nonexistent"):
         config = {"model_type": "llama"} if case == "llama" else small_config()
         (src / "config.json").write_text(json.dumps(config))
     if case == "partial":
@@ -129,7 +176,8 @@ def test_bad_sources_give_clear_errors(case, message, tmp_path, capsys):
         (src / "model.safetensors.index.json").write_text(json.dumps(index))
         (src / "model-00001-of-00002.safetensors").write_bytes(b"")
     assert main(["quantize", str(src), str(tmp_path / "out")]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qflash quantize: ") and message in err[0]
     assert not (tmp_path / "out").exists()
 
 

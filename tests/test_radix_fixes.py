@@ -1,4 +1,4 @@
-"""The DFLASH radix-cache fixes of server/patches.py, run on SGLang 0.5.17's own code with small tensors.
+"""The DFLASH radix-cache fixes of server/hooks/radix_cache.py, run on SGLang 0.5.17's own code with small tensors.
 
 Each probe runs in a fresh interpreter (SGLang's hooks are per process) with the server arguments that
 `./launch.sh` passes, published the way a scheduler publishes them, so `get_exec()` and
@@ -66,14 +66,14 @@ def test_verify_steps_crossing_a_checkpoint_track_the_boundary_state(dummy_dirs)
 
 
 def test_stock_sglang_never_tracks_under_dflash(dummy_dirs):
-    # sglang#37817: what 0.5.17 does without the fix (the text-only plugin loads none of qflash's patches)
+    # sglang#37817: what 0.5.17 does without the fix (the text-only plugin loads none of qflash's hooks)
     assert commit(dummy_dirs, "qflash_text_only")["track"] == [-1] * len(PRE)
 
 
 REFRESH = PRELUDE + """
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
-from qflash.server import patches
+from qflash.server.hooks import radix_cache
 
 _tensor = torch.tensor
 torch.tensor = lambda *a, pin_memory=False, **k: _tensor(*a, **k)  # no pinned memory without CUDA
@@ -86,7 +86,7 @@ for mode in ("DECODE", "IDLE"):
     batch = SimpleNamespace(forward_mode=ForwardMode[mode], reqs=reqs, req_to_token_pool=pool,
                             req_pool_indices=torch.tensor([2, 0, 3]), mamba_track_indices=None,
                             mamba_track_mask=torch.tensor([True, False, True]), mamba_track_seqlens=None)
-    patches._refresh_mamba_track_before_verify(None, batch, None)
+    radix_cache._refresh_mamba_track_before_verify(None, batch, None)
     out[mode] = None if batch.mamba_track_indices is None else batch.mamba_track_indices.tolist()
     out[mode + " mask"] = batch.mamba_track_mask is None
 print(json.dumps(out))

@@ -1,6 +1,6 @@
 """Bad requests answered with a readable 400 instead of a 500, a silent success or a crashed server.
 
-The checks are qflash's hooks (server/patches.py), run here on SGLang 0.5.17's own request objects; the
+The checks are qflash's hooks (server/hooks/requests.py), run here on SGLang 0.5.17's own request objects; the
 parse-level cases are SGLang's FastAPI app itself (no model needed to reject a body it cannot parse).
 The same table runs against the served model in tests/test_gpu_server.py.
 """
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import run_python
-from qflash.server import patches
+from qflash.server.hooks import requests as checks
 from sglang.srt.managers.io_struct import GenerateReqInput
 
 GOOD = [
@@ -28,23 +28,44 @@ BAD = [
 
 @pytest.mark.parametrize("params", GOOD)
 def test_valid_sampling_params_pass(params):
-    patches.check_sampling_params(GenerateReqInput(text="hi", sampling_params=params))
-    patches.check_sampling_params(GenerateReqInput(text=["a", "b"], sampling_params=[params, params]))
+    checks.check_sampling_params(GenerateReqInput(text="hi", sampling_params=params))
+    checks.check_sampling_params(GenerateReqInput(text=["a", "b"], sampling_params=[params, params]))
 
 
 @pytest.mark.parametrize("params, message", BAD)
 def test_invalid_sampling_params_are_a_value_error(params, message):
     with pytest.raises(ValueError, match=message):
-        patches.check_sampling_params(GenerateReqInput(text="hi", sampling_params=params))
+        checks.check_sampling_params(GenerateReqInput(text="hi", sampling_params=params))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("n", 17, r"n must be at least 1 and at most 16 \(the server's limit\), got 17"),
+    ("top_logprobs_num", 21, r"top_logprobs must be an integer from 0 to 20 \(the server's limit\), got 21"),
+    ("top_logprobs_num", 10**9, "at most|from 0 to 20"), ("top_logprobs_num", -1, "from 0 to 20"),
+])
+def test_requests_are_bounded(field, value, message):
+    request = (GenerateReqInput(text="hi", sampling_params={"n": value}) if field == "n"
+               else GenerateReqInput(text="hi", return_logprob=True, top_logprobs_num=value))
+    with pytest.raises(ValueError, match=message):
+        checks.check_sampling_params(request)
+
+
+def test_the_bounds_follow_the_servers_flags(monkeypatch):
+    checks.check_sampling_params(GenerateReqInput(text="hi", sampling_params={"n": 16}, top_logprobs_num=20))
+    checks.check_sampling_params(GenerateReqInput(text=["a", "b"], sampling_params=[{}, {}], top_logprobs_num=[0, 20]))
+    monkeypatch.setenv("QFLASH_MAX_N", "64")  # what `qflash serve --max-n 64` sets for the server
+    checks.check_sampling_params(GenerateReqInput(text="hi", sampling_params={"n": 64}))
+    with pytest.raises(ValueError, match="at most 64"):
+        checks.check_sampling_params(GenerateReqInput(text="hi", sampling_params={"n": 65}))
 
 
 def test_prompts_must_be_token_ids_of_the_vocabulary():
     manager = SimpleNamespace(model_config=SimpleNamespace(vocab_size=1000))
-    patches.check_input_ids(manager, None, [0, 5, 999])
-    patches.check_input_ids(manager, None, None)  # input_embeds requests carry no ids
+    checks.check_input_ids(manager, None, [0, 5, 999])
+    checks.check_input_ids(manager, None, None)  # input_embeds requests carry no ids
     for ids, message in (([], "empty"), ([5, 1000], r"\[0, 1000\); got \[1000\]"), ([-1, 3], r"got \[-1\]")):
         with pytest.raises(ValueError, match=message):
-            patches.check_input_ids(manager, None, ids)
+            checks.check_input_ids(manager, None, ids)
 
 
 def test_the_checks_run_where_sglang_parses_requests():
@@ -85,7 +106,7 @@ def openai_check(request) -> tuple[int, str] | None:
     async def original(self, request, raw_request):
         return None
 
-    response = asyncio.run(patches._check_openai_request(original, Serving(), request, None))
+    response = asyncio.run(checks._check_openai_request(original, Serving(), request, None))
     return None if response is None else (response.status_code, response.body.decode())
 
 
@@ -94,6 +115,7 @@ def test_openai_requests_must_name_the_model_and_ask_for_tokens():
 
     assert openai_check(ChatCompletionRequest(**CHAT, max_tokens=5)) is None
     assert openai_check(ChatCompletionRequest(**CHAT)) is None
+    assert openai_check(ChatCompletionRequest(**{**CHAT, "model": "Qwen3.5-4B:my-adapter"})) is None  # an adapter suffix
     status, body = openai_check(ChatCompletionRequest(**{**CHAT, "model": "gpt-17"}))
     assert status == 404 and "gpt-17" in body
     for field in ("max_tokens", "max_completion_tokens"):
@@ -126,18 +148,22 @@ UNPARSABLE = [
     ("/v1/chat/completions", json.dumps({"model": "m", "messages": MESSAGES, "response_format": "json"})),
     ("/v1/chat/completions", json.dumps({"model": "m", "messages": MESSAGES, "temperature": "hot"})),
     ("/v1/completions", json.dumps({"model": "m", "prompt": "hi", "max_tokens": 0})),
+    ("/generate", json.dumps({"text": "x" * 3000})), ("/v1/chat/completions", json.dumps({"model": "m", "messages": MESSAGES, "x": "y" * 3000})),
 ]
+LARGE = 2  # the last cases: bodies over the test's QFLASH_MAX_REQUEST_BYTES
 
 
 @pytest.mark.parametrize("plugins", ["qflash", "qflash_text_only"])
 def test_unparsable_bodies_are_a_400_with_a_message(plugins):
     lines = "".join(json.dumps(case) + "\n" for case in UNPARSABLE)
-    result = run_python(APP, env={"SGLANG_PLUGINS": plugins}, stdin=lines)
+    result = run_python(APP, env={"SGLANG_PLUGINS": plugins, "QFLASH_MAX_REQUEST_BYTES": "2048"}, stdin=lines)
     assert result.returncode == 0, result.stderr[-3000:]
     got = [json.loads(line) for line in result.stdout.strip().splitlines()[-len(UNPARSABLE):]]
     statuses = [status for status, _ in got]
     if plugins == "qflash":
-        assert statuses == [400] * len(UNPARSABLE), list(zip(UNPARSABLE, got))
-        assert all(json.loads(text)["message"] for _, text in got)
+        assert statuses == [400] * (len(UNPARSABLE) - LARGE) + [413] * LARGE, list(zip(UNPARSABLE, got))
+        messages = [json.loads(text)["message"] for _, text in got]
+        assert all(messages) and "larger than 2048 bytes" in messages[-1]
+        assert not [m for m in messages if 'File "' in m or ".py" in m], "server file paths in a client's message"
     else:  # stock 0.5.17: a body that is not an object, or a bad response_format, is a 500
         assert statuses[6:8] == [500, 500] and statuses[11] == 500

@@ -10,8 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qflash.quant import quality, smooth
-from qflash.quant.quantize import SMOOTH_KEY, quantize_checkpoint
+from qflash.quant import reference, smooth
+from qflash.server.tools import quality
+from qflash.quant.layout import SMOOTH_KEY
+from qflash.quant.quantize import quantize_checkpoint
 from qflash.server.dummy import write_random_weights
 from test_quantize import small_config
 
@@ -35,7 +37,7 @@ def source(tmp_path_factory):
 
 def test_folding_the_factors_keeps_the_function(source):
     # In fp32 the fold is exact up to rounding; in bf16 its rounding is part of the W8A8 error below.
-    model = quality.load_bf16(source, "cpu").float()
+    model = reference.load_bf16(source, "cpu").float()
     ids = CALIBRATION.reshape(1, -1)
     hidden, logits = quality.final_states(model, ids)
     tensors = {n: t.float() for f in source.glob("*.safetensors") for n, t in load_file(str(f)).items()}

@@ -13,10 +13,9 @@ import random
 import time
 
 import pytest
-import requests
 import torch
 
-from conftest import SERVED as BASE
+from conftest import API, SERVED as BASE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -49,18 +48,18 @@ def run(req: dict, max_tokens: int = NEW, timeout: float = 600) -> tuple[str | l
     """(output, completion tokens) of one request through its API."""
     if req["api"] == "native":
         body = {"input_ids": req["ids"], "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}
-        r = requests.post(BASE + "/generate", json=body, timeout=timeout)
+        r = API.post(BASE + "/generate", json=body, timeout=timeout)
         assert r.status_code == 200, r.text[:500]
         return r.json()["output_ids"], r.json()["meta_info"]["completion_tokens"]
     body = {"model": MODEL, "messages": [{"role": "user", "content": req["text"]}], "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True}
     if req["api"] == "chat":
-        r = requests.post(BASE + "/v1/chat/completions", json=body, timeout=timeout)
+        r = API.post(BASE + "/v1/chat/completions", json=body, timeout=timeout)
         assert r.status_code == 200, r.text[:500]
         return r.json()["choices"][0]["message"]["content"], r.json()["usage"]["completion_tokens"]
     body |= {"stream": True, "stream_options": {"include_usage": True}}
     text, tokens = [], 0
-    with requests.post(BASE + "/v1/chat/completions", json=body, timeout=timeout, stream=True) as r:
+    with API.post(BASE + "/v1/chat/completions", json=body, timeout=timeout, stream=True) as r:
         assert r.status_code == 200, r.text[:500]
         for line in r.iter_lines():
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -73,11 +72,11 @@ def run(req: dict, max_tokens: int = NEW, timeout: float = 600) -> tuple[str | l
 
 
 def running_requests() -> int:
-    return sum(r["num_reqs"] for r in requests.get(BASE + "/get_load", timeout=30).json())
+    return sum(r["num_reqs"] for r in API.get(BASE + "/get_load", timeout=30).json())
 
 
 def flush() -> None:
-    assert requests.post(BASE + "/flush_cache", timeout=60).status_code == 200
+    assert API.post(BASE + "/flush_cache", timeout=60).status_code == 200
 
 
 def test_64_concurrent_mixed_requests_all_complete_and_match_their_runs_alone(server):
@@ -107,7 +106,7 @@ def test_clients_hanging_up_mid_stream_leave_no_request_behind(server):
     def hang_up(req):
         body = {"model": MODEL, "messages": [{"role": "user", "content": req["text"]}], "max_tokens": 2000,
                 "temperature": 0, "ignore_eos": True, "stream": True}
-        with requests.post(BASE + "/v1/chat/completions", json=body, timeout=300, stream=True) as r:
+        with API.post(BASE + "/v1/chat/completions", json=body, timeout=300, stream=True) as r:
             lines = r.iter_lines()
             for _ in range(4):  # a few chunks, then close the connection
                 next(lines)

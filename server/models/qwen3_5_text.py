@@ -13,18 +13,12 @@ import torch
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
 from sglang.srt.models.qwen3_5_text import Qwen3_5ForCausalLM
 
-_LANGUAGE_MODEL = "model.language_model."
-_NOT_TEXT = ("model.visual.", "mtp.")
+from qflash.quant.layout import LM_HEAD, text_name
 
 
 def text_only_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
     """A multimodal checkpoint's tensors under the text model's names; vision tower and MTP head dropped."""
-    for name, tensor in weights:
-        if name.startswith(_NOT_TEXT):
-            continue
-        if name.startswith(_LANGUAGE_MODEL):
-            name = "model." + name[len(_LANGUAGE_MODEL):]
-        yield name, tensor
+    return ((text_name(name), tensor) for name, tensor in weights if text_name(name) is not None)
 
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
@@ -45,7 +39,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
 
         def body_and_head_weight():
             for name, tensor in text_only_weights(weights):
-                if name.startswith("lm_head.") and name != "lm_head.weight" and name in params:
+                if name.startswith("lm_head.") and name != LM_HEAD and name in params:
                     params[name].weight_loader(params[name], tensor)
                     head_loaded.add(name)
                 else:

@@ -14,6 +14,7 @@ with the gates:
 """
 
 import json
+import os
 import sys
 import urllib.error
 import urllib.request
@@ -49,10 +50,11 @@ def parse_gate(text: str) -> Gate:
     return Gate(task, metric, float(value))
 
 
-def served_model(base_url: str) -> str:
+def served_model(base_url: str, api_key: str | None = None) -> str:
     """The model the server serves (its `/v1/models`); raise EvalError if it does not answer."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(base_url.rstrip("/") + "/v1/models", timeout=30) as resp:
+        with urllib.request.urlopen(urllib.request.Request(base_url.rstrip("/") + "/v1/models", headers=headers), timeout=30) as resp:
             return json.load(resp)["data"][0]["id"]
     except (urllib.error.URLError, OSError, KeyError, IndexError, ValueError) as exc:
         raise EvalError(f"no OpenAI server answers at {base_url} ({exc})") from exc
@@ -92,7 +94,7 @@ def results_table(gates: list[Gate], results: dict) -> tuple[str, bool]:
 
 
 def run_eval(base_url: str, tasks: list[str], limit: float | None, output: Path | None, include_path: Path | None,
-             extra_gates: list[Gate], num_concurrent: int, gen_kwargs: str | None) -> int:
+             extra_gates: list[Gate], num_concurrent: int, gen_kwargs: str | None, api_key: str | None = None) -> int:
     """Evaluate the server on the gated tasks (names from GATES, or lm-eval task names with their own
     gates); print the table; 0 if every gate passed, 1 if one failed, 2 if it could not run."""
     try:
@@ -109,11 +111,13 @@ def run_eval(base_url: str, tasks: list[str], limit: float | None, output: Path 
         return OFFLINE
     names = [g.task for g in gates]
     try:
-        model = served_model(base_url)
+        model = served_model(base_url, api_key)
         manager = load_tasks(names, include_path)
     except EvalError as exc:
         print(f"qflash eval: {exc}", file=sys.stderr)
         return OFFLINE
+    if api_key:
+        os.environ["OPENAI_API_KEY"] = api_key  # where lm-eval's API models read their bearer key
     out = lm_eval.simple_evaluate(
         model="local-chat-completions",
         model_args={"model": model, "base_url": base_url.rstrip("/") + "/v1/chat/completions",
@@ -128,3 +132,23 @@ def run_eval(base_url: str, tasks: list[str], limit: float | None, output: Path 
                                             "gates": [g.__dict__ for g in gates], "results": out["results"]},
                                            indent=2, default=str))
     return 0 if passed else 1
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:30000")
+    p.add_argument("--tasks", type=lambda s: s.split(","), default=list(GATES),
+                   help=f"comma list: gated tasks ({','.join(GATES)}, the default) or lm-eval task names")
+    p.add_argument("--limit", type=float, help="examples per task (lm-eval's --limit; a fraction if < 1)")
+    p.add_argument("--output", type=Path, help="write the scores and gates here as JSON")
+    p.add_argument("--include-path", type=Path, help="a folder of extra lm-eval task YAMLs")
+    p.add_argument("--threshold", type=parse_gate, action="append", default=[], metavar="TASK:METRIC=VALUE",
+                   help="the gate of a task not in the default set (repeatable)")
+    p.add_argument("--num-concurrent", type=int, default=16, help="requests in flight (default 16)")
+    p.add_argument("--gen-kwargs", help="lm-eval generation overrides for every task, e.g. max_gen_toks=4096")
+    p.add_argument("--api-key", default=os.environ.get("QFLASH_API_KEY"),
+                   help="the server's API key, if it has one (default: $QFLASH_API_KEY)")
+
+
+def run(args, extra) -> int:
+    return run_eval(args.base_url, args.tasks, args.limit, args.output, args.include_path, args.threshold,
+                    args.num_concurrent, args.gen_kwargs, args.api_key)

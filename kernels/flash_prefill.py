@@ -1,13 +1,11 @@
 """A fresh prompt's prefill attention through torch's fused SDPA.
 
-SGLang's Triton extend kernel runs the 8 full-attention layers of an 8,192-token prefill at 139 TFLOP/s on the
-H200 (3.9 ms per layer). A prefill with no cached prefix is plain causal self-attention over the new tokens,
-which torch's SDPA (the fused kernel torch picks) runs at 605 TFLOP/s (0.9 ms; `qflash bench-kernels`). Everything
+A prefill with no cached prefix is plain causal self-attention over the new tokens, which torch's fused SDPA
+runs several times faster than SGLang's Triton extend kernel at long prompts (`qflash bench-kernels`). Everything
 else (cached prefixes, several requests, masks, windows, caps, scaled KV, the speculative block) stays on
-SGLang's kernel.
+SGLang's kernel (server/hooks/attention.py routes it).
 """
 
-import torch
 import torch.nn.functional as F
 
 # extend_attention_fwd's keyword arguments and the values under which a call is plain causal attention.

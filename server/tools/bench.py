@@ -6,10 +6,8 @@ before the next starts. Protocol: shared/reference/benchmark-protocol.md.
 """
 
 import argparse
-import contextlib
 import datetime
 import os
-import random
 import shlex
 import statistics
 import subprocess
@@ -22,33 +20,14 @@ import orjson
 import requests
 from tqdm import tqdm
 
-from qflash.server.launcher import (ServerDied, ServerProcess, dummy_model_dirs, freeze_gc, plugin_env, sglang_argv,
-                                    unwind_on_sigterm)
-from qflash.server.preset import PREFIX_CACHE
+from qflash.server.errors import UserError
+from qflash.server.launcher import ServerDied, require_gpu
+from qflash.server.preset import PREFIX_CACHE, PROMPT_BUCKETS
+from qflash.server.tools.systems import (OUTPUT_LEN, SYSTEMS, add_speculation_args, csv, make_prompt,
+                                         positive_csv, positive_int, system_server)
 
-OUTPUT_LEN = 256
-BUCKETS = (64, 2048, 8192)
-TOKEN_RANGE = (1000, 200000)
-ACCEPT_LEN = 6.5
 VALID_ACCEPT = (6.2, 6.8)
 REFERENCE = "sglang-bf16"
-
-# system -> (SGLang flags beyond the shared DFlash preset, qflash plugins it loads); baseline is HF.
-# Stock rows run as the protocol measured them, without prefix caching (launcher.sglang_argv's `stock`);
-# qflash runs as `./launch.sh` serves by default. The bench's prompts never share a prefix anyway.
-SGLANG_SYSTEMS = {
-    "sglang-bf16": ([], "qflash_text_only"),
-    "sglang-w8a8": (["--quantization", "w8a8_int8", "--speculative-draft-model-quantization", "unquant"],
-                    "qflash_text_only"),
-    "qflash": ([], "qflash"),
-}
-SYSTEMS = ("baseline", *SGLANG_SYSTEMS)
-
-
-def make_prompt(bucket: int, index: int) -> list[int]:
-    """A reproducible random prompt; each (bucket, index) gets its own, so no prefix is ever reused."""
-    rng = random.Random(f"qflash-bench-{bucket}-{index}")
-    return [rng.randrange(*TOKEN_RANGE) for _ in range(bucket)]
 
 
 def request_plan(buckets: list[int], timed: int) -> list[dict]:
@@ -215,7 +194,7 @@ def host_info() -> dict:
 def _run_baseline(plan: list[dict], out: Path, progress) -> list[dict]:
     requests_file = out / "baseline-requests.json"
     requests_file.write_bytes(orjson.dumps(plan))
-    argv = [sys.executable, "-m", "qflash.server.baseline", "--requests", str(requests_file), "--output-len", str(OUTPUT_LEN)]
+    argv = [sys.executable, "-m", "qflash.server.tools.baseline", "--requests", str(requests_file), "--output-len", str(OUTPUT_LEN)]
     samples = []
     with open(out / "logs" / "baseline.log", "ab") as log:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log)
@@ -227,29 +206,6 @@ def _run_baseline(plan: list[dict], out: Path, progress) -> list[dict]:
         if proc.wait() != 0:
             raise ServerDied(f"baseline exited with code {proc.returncode}; log: {out / 'logs' / 'baseline.log'}")
     return samples
-
-
-@contextlib.contextmanager
-def system_server(system: str, log: Path, port: int, acc_len: float, env: dict | None = None, flags: list[str] = (),
-                  prefix_cache: bool = PREFIX_CACHE):
-    """One SGLang system of the scoreboard on the dummy model (plus extra SGLang `flags`), started, ready, and
-    stopped on exit; `prefix_cache` applies to qflash (stock systems run without, as the protocol has them)."""
-    extra, plugins = SGLANG_SYSTEMS[system]
-    target, drafter = dummy_model_dirs(quantized=system == "qflash")
-    server = ServerProcess(
-        sglang_argv(target, drafter, [*extra, *flags], port=port, stock=system != "qflash", prefix_cache=prefix_cache),
-        plugin_env(plugins, {"SGLANG_SIMULATE_ACC_LEN": str(acc_len), **(env or {})}), log, f"http://127.0.0.1:{port}",
-    )
-    unwind_on_sigterm()  # a bench stopped by `timeout` stops its server too
-    try:
-        server.start()
-        took = server.wait_ready()
-        if system == "qflash":
-            freeze_gc(server.base_url)  # what `qflash serve` does once ready
-        tqdm.write(f"{system}: ready in {took:.0f} s")
-        yield server
-    finally:
-        server.stop()
 
 
 def _run_sglang(system: str, plan: list[dict], out: Path, port: int, acc_len: float, progress, flags: list[str],
@@ -264,7 +220,7 @@ def _run_sglang(system: str, plan: list[dict], out: Path, port: int, acc_len: fl
             progress.update(1)
         keep(samples)  # before profiling: a bench stopped while it profiles keeps its timed rows
         if profile_steps:
-            from qflash.server.profile import profile_buckets
+            from qflash.server.tools.profile import profile_buckets
 
             profile_buckets(server, system, out / "profiles", sorted({r["bucket"] for r in plan}), profile_steps, flags,
                             prefill=profile_prefill, with_stack=profile_with_stack)
@@ -321,41 +277,30 @@ def write_results(out: Path, meta: dict, samples: list[dict], errors: dict[str, 
     return table
 
 
-def _csv(kind, choices=None):
-    def parse(text: str):
-        items = [kind(x) for x in text.split(",") if x]
-        bad = [x for x in items if choices is not None and x not in choices]
-        if not items or bad:
-            raise argparse.ArgumentTypeError(f"{text!r}: choose from {', '.join(map(str, choices))}" if bad else "empty list")
-        return items
-    return parse
+PASSTHROUGH = True  # flags the bench does not know go to every SGLang system (trials)
 
 
-def positive_csv(text: str) -> list[int]:
-    items = _csv(int)(text)
-    if any(x <= 0 for x in items):
-        raise argparse.ArgumentTypeError(f"{text!r}: bucket sizes must be positive")
-    return items
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
-    return value
-
-
-def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--systems", type=_csv(str, SYSTEMS), default=list(SYSTEMS),
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--systems", type=csv(str, SYSTEMS), default=list(SYSTEMS),
                    help=f"comma list from {','.join(SYSTEMS)} (default: all)")
     p.add_argument("--out", type=Path, required=True, help="folder for results.json, results.md, latency.png, logs/")
-    p.add_argument("--buckets", type=positive_csv, default=list(BUCKETS), help="prompt lengths (default 64,2048,8192)")
-    p.add_argument("--timed", type=_positive_int, default=3, help="timed requests per bucket after 1 warm-up")
-    p.add_argument("--acc-len", type=float, default=ACCEPT_LEN, help="SGLANG_SIMULATE_ACC_LEN for speculative systems")
+    p.add_argument("--buckets", type=positive_csv, default=list(PROMPT_BUCKETS),
+                   help=f"prompt lengths (default {','.join(map(str, PROMPT_BUCKETS))})")
+    p.add_argument("--timed", type=positive_int, default=3, help="timed requests per bucket after 1 warm-up (default 3)")
+    add_speculation_args(p)
     p.add_argument("--profile-steps", type=int, default=0,
-                   help="after timing, profile this many cycles per bucket on each SGLang server (qflash profile)")
+                   help="after timing, profile this many cycles per bucket on each SGLang server, as `qflash profile` does")
     p.add_argument("--profile-prefill", action="store_true",
                    help="the profiles record each bucket's prefill and first cycles instead (time to first token)")
     p.add_argument("--profile-with-stack", action="store_true", help="the profiles also record Python call stacks")
-    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=PREFIX_CACHE,
-                   help="qflash's prefix caching, as `qflash serve` has it (default: on); stock systems never")
+
+
+def run(args: argparse.Namespace, extra: list[str]) -> int:
+    require_gpu()
+    try:
+        import matplotlib  # noqa: F401  the chart, checked before any server starts
+    except ImportError:
+        raise UserError("needs matplotlib for its chart: pip install 'qflash[bench]'", code=1) from None
+    return run_bench(args.systems, args.out, args.buckets, args.timed, args.acc_len, extra, profile_steps=args.profile_steps,
+                     prefix_cache=args.prefix_cache, profile_with_stack=args.profile_with_stack,
+                     profile_prefill=args.profile_prefill)

@@ -1,22 +1,25 @@
-"""`python -m qflash.kernels.tune`: time candidate launch configs on this GPU, write the fastest into the tables.
+"""`qflash tune`: time candidate launch configs on this GPU, write the fastest into the kernels' static tables.
 
 Offline only: run once on the target GPU (sm90 for the H200) and commit the rewritten kernel files;
 serving reads the tables and never tunes. Each candidate is timed on random data with an L2 flush
 before each run and no host overhead (`timing.cold_us`); configs that do not fit the chip are skipped.
 """
 
-import argparse
+import re
 import time
+from pathlib import Path
 
 import torch
 
-from qflash.kernels import config_table, w8a16_argmax, w8a16_gemm, w8a8_gemm
-from qflash.kernels.timing import cold_us
-from qflash.kernels.shapes import DECODE_M, DRAFTER, LM_HEAD, PREFILL_M, TARGET
+from qflash.kernels import w8a16_argmax, w8a16_gemm, w8a8_gemm
+from qflash.kernels.config_table import DECODE_M, DECODE_MAX_M, PHASES, PREFILL_M
+from qflash.server.launcher import require_gpu
+from qflash.server.tools.shapes import DRAFTER, LM_HEAD, TARGET
+from qflash.server.tools.timing import cold_us
 
 
 def w8a8_candidates(m: int) -> list[dict]:
-    if m > 128:
+    if m > DECODE_MAX_M:
         tiles = [(128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (128, 256, 128, 8, 3), (64, 128, 128, 4, 4),
                  (128, 128, 64, 4, 4), (64, 256, 128, 8, 3), (128, 128, 128, 4, 3), (256, 128, 64, 8, 3),
                  (128, 128, 128, 8, 4), (128, 256, 64, 8, 4)]
@@ -28,7 +31,7 @@ def w8a8_candidates(m: int) -> list[dict]:
 
 
 def w8a16_candidates(m: int, group: bool = True) -> list[dict]:
-    # One row tile covers all M (up to 128): a second one would read the 635 MB of weights twice.
+    # One row tile covers all decode M: a second one would read the whole lm_head again.
     bm = max(m, 16)
     extra = {"GROUP_M": 1} if group else {}
     return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **extra, num_warps=w, num_stages=s)
@@ -79,18 +82,36 @@ def tune_lm_head(module, group: bool) -> dict:
     return table
 
 
-def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(prog="python -m qflash.kernels.tune", description=__doc__).parse_args(argv)
+def render(table: dict, machine: str) -> str:
+    """The `CONFIGS = {...}` source block, one sorted line per key."""
+    lines = [f"# Tuned on {machine} by `qflash tune`: (phase, M bucket, N, K) -> launch config.", "CONFIGS = {"]
+    for key in sorted(table, key=lambda k: (PHASES.index(k[0]), *k[1:])):
+        cfg = ", ".join(f"{name}={value!r}" for name, value in table[key].items())
+        lines.append(f"    {key!r}: dict({cfg}),")
+    return "\n".join(lines + ["}"]) + "\n"
+
+
+def write(path: Path, table: dict, machine: str) -> None:
+    """Replace the table at the end of a kernel file (from its `# Tuned on` / `CONFIGS = {` line on)."""
+    text = Path(path).read_text()
+    match = re.search(r"^(# Tuned on .*\n)?CONFIGS = \{", text, flags=re.M)
+    if match is None:
+        raise ValueError(f"{path} has no CONFIGS table")
+    Path(path).write_text(text[:match.start()] + render(table, machine))
+
+
+def add_arguments(p) -> None:
+    pass
+
+
+def run(args, extra) -> int:
+    require_gpu()
     machine = f"{torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))})"
     start = time.monotonic()
     for module, tune in ((w8a8_gemm, tune_w8a8), (w8a16_gemm, lambda: tune_lm_head(w8a16_gemm, group=True)),
                          (w8a16_argmax, lambda: tune_lm_head(w8a16_argmax, group=False))):
         table = tune()
-        config_table.write(module.__file__, table, machine)  # each table as soon as it is done
+        write(module.__file__, table, machine)  # each table as soon as it is done
         print(f"wrote {len(table)} configs to {module.__file__}", flush=True)
     print(f"tuned in {time.monotonic() - start:.0f} s")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import requests
 
-from qflash.server.bench import OUTPUT_LEN, make_prompt, system_server
+from qflash.server.launcher import require_gpu
 from qflash.server.preset import PREFIX_CACHE
+from qflash.server.tools.systems import (OUTPUT_LEN, SGLANG_SYSTEMS, add_speculation_args, make_prompt, positive_csv,
+                                         system_server)
 
 # (family, kernel-name pattern): the first match wins; names are Triton / CUDA kernel symbols.
 FAMILIES = [
@@ -182,3 +184,22 @@ def run_profile(system: str, out: Path, prompt_lens: list[int], steps: int, acc_
     with system_server(system, out / f"{system}.log", port, acc_len, flags=list(flags), prefix_cache=prefix_cache) as server:
         profile_buckets(server, system, out, prompt_lens, steps, flags, prefill, with_stack)
     return 0
+
+
+PASSTHROUGH = True  # flags the profiler does not know go to the SGLang server
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--system", choices=list(SGLANG_SYSTEMS), default="qflash", help="(default qflash)")
+    p.add_argument("--prompt-len", type=positive_csv, default=[2048], help="comma list of prompt lengths, one server (default 2048)")
+    p.add_argument("--steps", type=int, default=10, help="cycles to record (default 10)")
+    p.add_argument("--prefill", action="store_true", help="record the request's first steps (its prefill) instead")
+    p.add_argument("--with-stack", action="store_true", help="also record Python call stacks (host time, inflated)")
+    add_speculation_args(p)
+    p.add_argument("--out", type=Path, required=True, help="folder for the trace, profile.md and profile.json")
+
+
+def run(args, extra) -> int:
+    require_gpu()
+    return run_profile(args.system, args.out, args.prompt_len, args.steps, args.acc_len, extra, prefill=args.prefill,
+                       with_stack=args.with_stack, prefix_cache=args.prefix_cache)

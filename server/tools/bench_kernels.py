@@ -14,13 +14,16 @@ import orjson
 import torch
 
 from qflash.kernels import gdn_prefill
+from qflash.kernels.config_table import DECODE_M, PREFILL_M
+from qflash.kernels.flash_prefill import flash_prefill
 from qflash.kernels.per_token_quant import per_token_quant
-from qflash.kernels.timing import cold_us, host_us
-from qflash.kernels.shapes import DECODE_M, DRAFTER, LM_HEAD, PREFILL_M, TARGET, TARGET_COUNT
 from qflash.kernels.w8a16_argmax import w8a16_argmax
 from qflash.kernels.w8a16_gemm import w8a16_gemm
 from qflash.kernels.w8a8_gemm import w8a8_gemm
-from qflash.server.flash_prefill import flash_prefill
+from qflash.server.launcher import require_gpu
+from qflash.server.preset import BLOCK_SIZE
+from qflash.server.tools.shapes import ATTENTION_HEADS, DRAFTER, GDN_HEADS, LM_HEAD, TARGET, TARGET_COUNT
+from qflash.server.tools.timing import cold_us, host_us
 
 HBM_TBPS = 4.3  # device-to-device copy rate measured on the H200 (read + write)
 
@@ -88,7 +91,8 @@ def gdn_row(batch: int) -> dict:
 
     from qflash.kernels import gdn_verify
 
-    h, hv, d, steps, t = 16, 32, 128, 16, 16 * batch
+    (h, hv, d), steps = GDN_HEADS, BLOCK_SIZE
+    t = steps * batch
 
     def rand(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, device="cuda", dtype=dtype)
@@ -127,7 +131,7 @@ def gdn_prefill_row(tokens: int) -> dict:
     chunked path (`TritonGDNKernel.extend`) against qflash's recurrent one, GPU and host launch us."""
     from sglang.srt.layers.attention.linear.kernels.gdn_triton import TritonGDNKernel
 
-    h, hv, d = 16, 32, 128
+    h, hv, d = GDN_HEADS
     q, k = (torch.randn(1, tokens, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     v = torch.randn(1, tokens, hv, d, device="cuda", dtype=torch.bfloat16)
     g = -torch.rand(1, tokens, hv, device="cuda") * 0.3
@@ -154,10 +158,10 @@ PREFILL_ATTENTION_TOKENS = (512, 2048, 8192)
 
 def prefill_attention_row(tokens: int) -> dict:
     """One target full-attention layer's prefill of a fresh `tokens`-long prompt (16 query heads, 4 KV heads,
-    dim 256): SGLang's Triton extend kernel against torch's SDPA (server/flash_prefill.py), GPU us and TFLOP/s."""
+    dim 256): SGLang's Triton extend kernel against torch's SDPA (kernels/flash_prefill.py), GPU us and TFLOP/s."""
     from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 
-    heads, kv_heads, dim = 16, 4, 256
+    heads, kv_heads, dim = ATTENTION_HEADS
     q = torch.randn(tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     o = torch.empty_like(q)
@@ -235,3 +239,14 @@ def run_bench_kernels(out: Path, skip_gemms: bool = False) -> int:
     (out / "kernels.json").write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
     print(table)
     return 0
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--out", type=Path, required=True, help="folder for kernels.md and kernels.json")
+    p.add_argument("--skip-gemms", action="store_true",
+                   help="all but the GEMM and lm_head tables: GDN verify, fold and prefill, prefill attention")
+
+
+def run(args, extra) -> int:
+    require_gpu()  # before the output folder is made
+    return run_bench_kernels(args.out, skip_gemms=args.skip_gemms)

@@ -3,8 +3,8 @@
 Builds the text model with transformers from the bf16 checkpoint and runs a fixed sequence of token ids;
 then loads the quantized checkpoint into it, every quantized linear swapped for qflash's W8A8 arithmetic
 (int8 weights, per-token int8 activations rounded as the kernels round them, fp32 scaling), the lm_head
-for its int8 weight-only form, the other tensors (norms, smoothed or not) copied, and runs the same ids. Reports the relative error of the
-final hidden states and the logits, and how often the greedy token agrees.
+for its int8 weight-only form, the other tensors (norms, smoothed or not) copied, and runs the same ids.
+Reports the relative error of the final hidden states and the logits, and how often the greedy token agrees.
 """
 
 import json
@@ -12,13 +12,11 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
-from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers import Qwen3_5ForCausalLM
 
-from qflash.quant.layout import DROPPED
-
-_LANGUAGE_MODEL = "model.language_model."
+from qflash.quant.reference import load_bf16, text_tensors
+from qflash.server.errors import UserError
 
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,43 +42,11 @@ class W8A8Linear(nn.Module):
         return ((x.float() @ self.weight.float().T) * self.scale).to(x.dtype)  # W8A16: bf16 input as it is
 
 
-def _tensors(path: Path):
-    """The text model's tensors of a checkpoint, under the text model's names."""
-    for shard in sorted(path.glob("*.safetensors")):
-        with safe_open(str(shard), framework="pt") as f:
-            for name in f.keys():
-                if not name.startswith(DROPPED):
-                    yield name.replace(_LANGUAGE_MODEL, "model."), f.get_tensor(name)
-
-
-def _text_config(path: Path) -> Qwen3_5TextConfig:
-    config = json.loads((path / "config.json").read_text())
-    text = Qwen3_5TextConfig(**{**config["text_config"], "tie_word_embeddings": config.get("tie_word_embeddings", False)})
-    text._attn_implementation = "eager"
-    return text
-
-
-def load_bf16(path: Path, device: str) -> Qwen3_5ForCausalLM:
-    config = _text_config(path)
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = Qwen3_5ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(torch.float32)
-    missing, unexpected = model.load_state_dict(dict(_tensors(path)), strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:
-        raise ValueError(f"{path}: checkpoint does not match the text model (missing {missing[:5]}, unexpected {unexpected[:5]})")
-    if "lm_head.weight" in missing:
-        model.tie_weights()
-    return model.eval()
-
-
 def load_w8a8(model: Qwen3_5ForCausalLM, path: Path) -> int:
     """Load the quantized checkpoint into `model`: each linear with an int8 weight becomes a W8A8Linear
     (the lm_head weight-only), every other tensor (norms, possibly smoothed) is copied in; return the
     number of linears swapped."""
-    tensors = dict(_tensors(path))
+    tensors = dict(text_tensors(path))
     swapped = 0
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and name + ".weight_scale" in tensors:
@@ -123,3 +89,20 @@ def compare(bf16_dir: Path, w8a8_dir: Path, positions: int = 256, device: str = 
             "hidden_states": relative_errors(hidden, hidden_ref), "logits": relative_errors(logits, logits_ref),
             "greedy_agreement": (logits.argmax(-1) == logits_ref.argmax(-1)).float().mean().item(),
             "seconds": round(time.monotonic() - start, 1)}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("bf16", type=Path, help="the bf16 checkpoint that was quantized")
+    p.add_argument("w8a8", type=Path, help="its `qflash quantize` output")
+    p.add_argument("--positions", type=int, default=256, help="token positions compared (default 256)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+
+
+def run(args, extra) -> int:
+    for folder in (args.bf16, args.w8a8):
+        if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
+            raise UserError(f"{folder} is not a checkpoint folder (config.json and *.safetensors)")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda, but no CUDA GPU is visible", code=1)
+    print(json.dumps(compare(args.bf16, args.w8a8, args.positions, args.device), indent=2))
+    return 0

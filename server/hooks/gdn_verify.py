@@ -1,0 +1,103 @@
+"""The Gated-DeltaNet verify of a speculative block, and its commit, on qflash's kernels.
+
+qflash serves the GDN layers with SGLang's ReplaySSM spec-verify (`--enable-linear-replayssm-spec`,
+preset.GDN_VERIFY_FLAGS): the verify keeps each draft step's raw inputs in rings instead of the full recurrent
+state after every step, and the commit replays ("folds") the accepted steps into the state. 0.5.17 offers it to
+EAGLE and NGRAM only; what qflash changes for DFLASH:
+- the commit: DFLASH commits through `HybridLinearAttnBackend.update_mamba_state_after_mtp_verify`, which folds
+  for KDA models only and for GDN would scatter the per-step states the flag no longer allocates; for GDN it
+  makes the fold EAGLE's commit (spec_utils) makes, with the same arguments;
+- the pool: 0.5.17's pool builder refuses the flag under DFLASH for a non-KDA model (for want of that commit);
+  the algorithm's name is its guard's only reader, so the builder runs with the name hidden from it;
+- the kernels: SGLang's recurrent kernel runs one warp per 128 x 32 state tile, one per SM; qflash's verify and
+  fold (kernels/gdn_verify.py) run narrower tiles, so several warps share each SM. The fold must give the
+  verify's bits, so both are replaced together: the verify where SGLang's fold path calls it (ring-writing GDN
+  calls only; decode and EAGLE's snapshot calls reach SGLang's kernel), the fold as a whole;
+- the causal-conv1d update before the verify: SGLang launches 256 channels per program (32 programs for one
+  request's 8,192 channels); each channel is a depthwise convolution of its own, so a narrower tile changes how
+  many programs share the work and never a result bit. The kernel object is swapped, launched by SGLang's own
+  launcher with qflash's BLOCK_N (whose grid divides by the BLOCK_N it launches).
+Retire when SGLang runs ReplaySSM under DFLASH with per-batch GDN tiles.
+"""
+
+from qflash.server.hooks import Hook, Swap
+
+CONV_UPDATE_BLOCK_N = 64  # channels per program of the causal-conv1d update (SGLang's: 256)
+
+
+def _fold_gdn_window_on_commit(original, self, **kwargs):
+    from sglang.kernels.ops.attention.fla.gdn_replayssm_spec_fold import commit_gdn_replayssm_fold_after_verify
+
+    linear = self.linear_attn_backend
+    pool = linear.req_to_token_pool.mamba_pool
+    if not getattr(pool, "replayssm_spec_fold", False) or pool.replayssm_is_kda:
+        return original(self, **kwargs)
+    last = kwargs["last_correct_step_indices"]
+    commit_gdn_replayssm_fold_after_verify(
+        spec_state=linear.req_to_token_pool.get_speculative_mamba2_params_all_layers(),
+        state_batch_indices=linear.forward_metadata.mamba_cache_indices[: last.shape[0]],
+        accept_lens=last + 1, last_correct_step_indices=last,
+        mamba_track_indices=kwargs["mamba_track_indices"], mamba_steps_to_track=kwargs["mamba_steps_to_track"],
+    )
+
+
+class _ArgsWithoutAlgorithm:
+    """Server arguments as they read with no speculative algorithm named; everything else as given."""
+
+    def __init__(self, args):
+        self._args = args
+
+    def __getattr__(self, name):
+        return None if name == "speculative_algorithm" else getattr(self._args, name)
+
+
+def _allow_gdn_fold_pool(original, self, **kwargs):
+    args = self.server_args
+    self.server_args = _ArgsWithoutAlgorithm(args)
+    try:
+        return original(self, **kwargs)
+    finally:
+        self.server_args = args
+
+
+RING_VERIFY_ONLY = ("use_qk_l2norm_in_kernel", "disable_state_update", "lower_bound", "retrieve_parent_token",
+                    "intermediate_states_buffer", "intermediate_state_indices", "cache_steps")
+
+
+def _verify_on_qflash_tiles(original, *, cache_ring: bool = False, is_kda: bool = False, **kwargs):
+    from qflash.kernels import gdn_verify
+
+    if not (cache_ring and not is_kda and kwargs.get("use_qk_l2norm_in_kernel") and kwargs.get("disable_state_update")
+            and kwargs.get("cu_seqlens") is not None and kwargs.get("lower_bound") is None
+            and kwargs.get("retrieve_parent_token") is None and kwargs.get("intermediate_states_buffer") is None):
+        return original(cache_ring=cache_ring, is_kda=is_kda, **kwargs)
+    return gdn_verify.verify(**{k: v for k, v in kwargs.items() if k not in RING_VERIFY_ONLY})
+
+
+def _fold_on_qflash_tiles(*args, **kwargs):
+    from qflash.kernels import gdn_verify
+
+    return gdn_verify.fold_all_layers(*args, **kwargs)
+
+
+class ChannelTiles:
+    """A Triton kernel launched with `block_n` channels per program, whatever BLOCK_N its launcher passes."""
+
+    def __init__(self, kernel, block_n: int):
+        self.kernel, self.block_n = kernel, block_n
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+        return lambda *args, **kwargs: launch(*args, **{**kwargs, "BLOCK_N": self.block_n})
+
+
+FLA = "sglang.kernels.ops.attention.fla."
+CHANGES = [
+    Hook("sglang.srt.layers.attention.hybrid_linear_attn_backend.HybridLinearAttnBackend.update_mamba_state_after_mtp_verify",
+         _fold_gdn_window_on_commit, "AROUND"),
+    Hook("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_hybrid_req_pool", _allow_gdn_fold_pool, "AROUND"),
+    Hook(FLA + "fused_sigmoid_gating_recurrent.fused_sigmoid_gating_delta_rule_update", _verify_on_qflash_tiles, "AROUND"),
+    Hook(FLA + "gdn_replayssm_spec_fold.commit_gdn_replayssm_fold_all_layers", _fold_on_qflash_tiles, "REPLACE"),
+    Swap("sglang.kernels.ops.mamba.causal_conv1d_triton._causal_conv1d_update_kernel",
+         lambda kernel: ChannelTiles(kernel, CONV_UPDATE_BLOCK_N)),
+]

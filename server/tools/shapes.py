@@ -1,0 +1,40 @@
+"""The GEMMs of Qwen3.5-4B and its DFlash drafter as SGLang runs them (after its weight fusions), from the preset.
+
+(name, N, K): y[M, N] = x[M, K] @ w[N, K]^T. M is 16 per request in verify and draft (block 16), the prompt
+length in prefill. The tuner, `qflash bench-kernels` and the kernel tests read these. The drafter's qkv_proj is
+not here (it stays bf16: quant/method.py, DRAFTER_BF16), nor its fc (a plain `nn.Linear` in SGLang's DFlash
+model, which no quantization method reaches).
+"""
+
+from qflash.server.preset import DRAFTER_CONFIG, TEXT_CONFIG
+
+_t, _d = TEXT_CONFIG, DRAFTER_CONFIG
+HIDDEN = _t["hidden_size"]
+# Gated-DeltaNet heads: key heads x key dim, value heads x value dim.
+GDN_HEADS = (_t["linear_num_key_heads"], _t["linear_num_value_heads"], _t["linear_key_head_dim"])
+GDN_KEY = _t["linear_num_key_heads"] * _t["linear_key_head_dim"]
+GDN_VALUE = _t["linear_num_value_heads"] * _t["linear_value_head_dim"]
+ATTENTION_HEADS = (_t["num_attention_heads"], _t["num_key_value_heads"], _t["head_dim"])  # query, KV heads, dim
+_q, _kv, _hd = ATTENTION_HEADS
+
+TARGET = [
+    ("gdn.in_proj_qkvz", 2 * GDN_KEY + 2 * GDN_VALUE, HIDDEN),
+    ("gdn.in_proj_ba", 2 * _t["linear_num_value_heads"], HIDDEN),
+    ("gdn.out_proj", HIDDEN, GDN_VALUE),
+    ("attn.qkv_proj", 2 * _q * _hd + 2 * _kv * _hd, HIDDEN),  # the query doubled: attn_output_gate
+    ("attn.o_proj", HIDDEN, _q * _hd),
+    ("mlp.gate_up_proj", 2 * _t["intermediate_size"], HIDDEN),
+    ("mlp.down_proj", HIDDEN, _t["intermediate_size"]),
+]
+DRAFTER = [
+    ("draft.o_proj", _d["hidden_size"], _d["num_attention_heads"] * _d["head_dim"]),
+    ("draft.gate_up_proj", 2 * _d["intermediate_size"], _d["hidden_size"]),
+    ("draft.down_proj", _d["hidden_size"], _d["intermediate_size"]),
+]
+LM_HEAD = ("lm_head", _t["vocab_size"], HIDDEN)
+
+# How often each target GEMM runs in one forward, from the layer types.
+_gdn = sum(kind == "linear_attention" for kind in _t["layer_types"])
+_attn = _t["num_hidden_layers"] - _gdn
+TARGET_COUNT = {"gdn.in_proj_qkvz": _gdn, "gdn.in_proj_ba": _gdn, "gdn.out_proj": _gdn, "attn.qkv_proj": _attn,
+                "attn.o_proj": _attn, "mlp.gate_up_proj": _t["num_hidden_layers"], "mlp.down_proj": _t["num_hidden_layers"]}

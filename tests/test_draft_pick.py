@@ -1,0 +1,25 @@
+"""DFlash's draft pick over the int8 lm_head (server/hooks/draft_pick.py), with the fused W8A16 argmax (on the CPU
+in Triton's interpreter): each block's positions 1..K-1 are the drafts; position 0 is the bonus token."""
+
+from types import SimpleNamespace
+
+import torch
+
+from qflash.server.hooks.draft_pick import Int8HeadDraftSampler
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+K, BATCH, VOCAB, HIDDEN = 16, 2, 48, 48
+
+
+def test_each_block_drafts_from_its_positions_1_to_k_minus_1():
+    # An identity lm_head: the greedy token of a one-hot hidden state is its index. Row p of block b is
+    # token (b * K + p) % VOCAB, so every position of both blocks picks its own token.
+    head = SimpleNamespace(weight=(100 * torch.eye(VOCAB, HIDDEN)).to(torch.int8).to(DEVICE),
+                           weight_scale=torch.full((VOCAB,), 0.01, device=DEVICE),
+                           shard_indices=SimpleNamespace(num_org_elements=VOCAB))
+    sampler = Int8HeadDraftSampler(head, K, max_bs=4)
+    tokens = torch.arange(BATCH * K) % VOCAB
+    hidden = torch.nn.functional.one_hot(tokens, HIDDEN).to(torch.bfloat16).to(DEVICE)
+    sampler(hidden)
+    drafts = sampler.out[: BATCH * (K - 1)].cpu()
+    assert drafts.tolist() == tokens.view(BATCH, K)[:, 1:].reshape(-1).tolist()
