@@ -10,6 +10,7 @@ METHOD_NAME = "qflash_w8a8"  # SGLang quantization method that serves the format
 LM_HEAD = "lm_head.weight"
 LM_HEAD_KEY = "qflash_lm_head"  # quantization_config key describing the int8 lm_head: marks a qflash checkpoint
 SMOOTH_KEY = "qflash_smoothquant"  # quantization_config key: alpha and calibration size, when smoothed
+WEIGHT_FILES = ("*.safetensors", "*.bin")  # what a folder with weights holds (a dummy folder holds none)
 
 TEXT = "model.language_model."
 DROPPED = ("model.visual.", "mtp.")  # vision tower and MTP head: not part of the text checkpoint

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from qflash.quant.layout import checkpoint_tensors, quantized_config
+from qflash.quant.layout import WEIGHT_FILES, checkpoint_tensors, quantized_config
 from qflash.quant.quantize import ShardWriter
 from qflash.server.errors import UserError
 from qflash.server.preset import DRAFTER_CONFIG, EOS_TOKEN_ID, SPECIAL_TOKENS, TARGET_CONFIG
@@ -25,7 +25,7 @@ TARGET_DIR = "Qwen3.5-4B"
 DRAFTER_DIR = "Qwen3.5-4B-DFlash"
 W8A8_DIR = "w8a8"
 MARKER = "qflash-dummy.txt"
-MODEL_FILES = ("config.json", "tokenizer.json", "*.safetensors", "*.bin")
+MODEL_FILES = ("config.json", "tokenizer.json", *WEIGHT_FILES)
 
 
 def _write_json(path: Path, obj: dict) -> None:

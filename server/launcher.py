@@ -19,7 +19,7 @@ import urllib.request
 from importlib.metadata import version
 from pathlib import Path
 
-from qflash.quant.layout import is_qflash_config
+from qflash.quant.layout import WEIGHT_FILES, is_qflash_config
 from qflash.server.errors import UserError
 from qflash.server.hooks import APPLIED, PINNED_SGLANG, REFUSED
 
@@ -39,7 +39,7 @@ class ServerDied(RuntimeError):
 def is_dummy_dir(path: Path) -> bool:
     """True if `path` holds a config and tokenizer but no weights (serve it with --load-format dummy)."""
     path = Path(path)
-    has_weights = any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+    has_weights = any(any(path.glob(pattern)) for pattern in WEIGHT_FILES)
     return (path / "config.json").exists() and (path / "tokenizer.json").exists() and not has_weights
 
 

@@ -25,15 +25,16 @@ def _register_model_and_method() -> list[str]:
     from sglang.srt.models.registry import ModelRegistry
     from sglang.srt.server_args import QUANTIZATION_CHOICES, add_quantization_method_choices
 
+    from qflash.quant.layout import METHOD_NAME
     from qflash.quant.method import QflashW8A8Config
     from qflash.server.models.qwen3_5_text import Qwen3_5ForConditionalGeneration
 
     ModelRegistry.register(MODEL_PACKAGE, overwrite=True, strict=True)
-    QUANTIZATION_METHODS[QflashW8A8Config.get_name()] = QflashW8A8Config
-    if QflashW8A8Config.get_name() not in QUANTIZATION_CHOICES:
-        add_quantization_method_choices([QflashW8A8Config.get_name()])
+    QUANTIZATION_METHODS[METHOD_NAME] = QflashW8A8Config
+    if METHOD_NAME not in QUANTIZATION_CHOICES:
+        add_quantization_method_choices([METHOD_NAME])
     found = {"model class": ModelRegistry.models.get(Qwen3_5ForConditionalGeneration.__name__) is Qwen3_5ForConditionalGeneration,
-             "quantization method": QUANTIZATION_METHODS.get(QflashW8A8Config.get_name()) is QflashW8A8Config}
+             "quantization method": QUANTIZATION_METHODS.get(METHOD_NAME) is QflashW8A8Config}
     return [name for name, ok in found.items() if not ok]
 
 
