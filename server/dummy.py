@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from qflash.quant.layout import WEIGHT_FILES, checkpoint_tensors, quantized_config
+from qflash.quant.layout import WEIGHT_FILES, checkpoint_tensors, quantized_config, text_name
 from qflash.quant.quantize import ShardWriter
 from qflash.server.errors import UserError
 from qflash.server.preset import DRAFTER_CONFIG, EOS_TOKEN_ID, SPECIAL_TOKENS, TARGET_CONFIG
@@ -38,11 +38,13 @@ def holds_other_model(path: Path) -> bool:
     return not (path / MARKER).exists() and any(any(path.glob(pattern)) for pattern in MODEL_FILES)
 
 
-def make_dummy(root: Path, weights: bool = False) -> tuple[Path, Path]:
+def make_dummy(root: Path, weights: bool = False, stable: bool = False) -> tuple[Path, Path]:
     """Write `<root>/Qwen3.5-4B`, `<root>/Qwen3.5-4B-DFlash` and `<root>/w8a8/Qwen3.5-4B`; return the first two.
 
     With `weights`, the target also gets random bf16 weights, so `qflash quantize` has a checkpoint to read.
-    Raises UserError, before writing anything, if one of the folders holds a model make-dummy did not write."""
+    With `stable`, target and drafter get the weights of server/stable_weights.py, and w8a8/ their quantized
+    target. Raises UserError, before writing anything, if one of the folders holds a model make-dummy did not
+    write."""
     import transformers
 
     root = Path(root)
@@ -63,8 +65,13 @@ def make_dummy(root: Path, weights: bool = False) -> tuple[Path, Path]:
         tokenizer.save_pretrained(path)
     for path in (target, w8a8):
         _write_json(path / "generation_config.json", generation)
-    if weights:
+    if weights and not stable:
         write_random_weights(target)
+    if stable:
+        write_stable_weights(target, drafter)
+        from qflash.quant.quantize import quantize_checkpoint
+
+        quantize_checkpoint(target, w8a8, force=True)
     return target, drafter
 
 
@@ -80,25 +87,55 @@ def _random_tensor(name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape).normal_(0, 0.02, generator=g).to(dtype)
 
 
-def write_random_weights(target: Path, config: dict = TARGET_CONFIG) -> None:
-    """A random safetensors checkpoint with the published tensor names and shapes (~9.3 GB at 4B)."""
-    tensors = checkpoint_tensors(config)
-    writer = ShardWriter(Path(target))
+def _write(folder: Path, tensors: list, make, desc: str) -> None:
+    """Shards of `make(name, shape, dtype)` for each (name, shape, dtype) of `tensors`."""
+    writer = ShardWriter(Path(folder))
     total = sum(math.prod(shape) for _, shape, _ in tensors)
-    with tqdm(total=total, desc="random weights", unit="param", unit_scale=True) as progress:
+    with tqdm(total=total, desc=desc, unit="param", unit_scale=True) as progress:
         for name, shape, dtype in tensors:
-            writer.add(name, _random_tensor(name, shape, dtype))
+            writer.add(name, make(name, shape, dtype))
             progress.update(math.prod(shape))
     writer.close()
+
+
+def write_random_weights(target: Path, config: dict = TARGET_CONFIG) -> None:
+    """A random safetensors checkpoint with the published tensor names and shapes (~9.3 GB at 4B)."""
+    _write(target, checkpoint_tensors(config), _random_tensor, "random weights")
+
+
+def write_stable_weights(target: Path, drafter: Path, config: dict = TARGET_CONFIG, drafter_config: dict = DRAFTER_CONFIG) -> None:
+    """The bf16 target (published names and shapes; the vision tower and MTP head zero) and drafter of
+    server/stable_weights.py."""
+    from qflash.server.stable_weights import drafter_weights, target_weights
+
+    built = target_weights(config)
+
+    def target_tensor(name, shape, dtype):
+        tensor = built.pop(text_name(name), None) if text_name(name) else None
+        if tensor is None:
+            return torch.zeros(shape, dtype=dtype)
+        assert tuple(tensor.shape) == tuple(shape), (name, tensor.shape, shape)
+        return tensor.to(dtype)
+
+    _write(target, checkpoint_tensors(config), target_tensor, "stable target weights")
+    assert not built, f"built tensors the checkpoint does not have: {sorted(built)[:5]}"
+    draft = drafter_weights(drafter_config, config["text_config"])
+    _write(drafter, [(name, tuple(t.shape), torch.bfloat16) for name, t in draft.items()],
+           lambda name, shape, dtype: draft[name].to(dtype), "stable drafter weights")
 
 
 
 def add_arguments(p) -> None:
     p.add_argument("dir", type=Path, help="folder to write Qwen3.5-4B/, Qwen3.5-4B-DFlash/ and w8a8/Qwen3.5-4B/ into")
-    p.add_argument("--weights", action="store_true", help="also write random bf16 target weights (~9.3 GB, ~2 min)")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--weights", action="store_true", help="also write random bf16 target weights (~9.3 GB, ~2 min)")
+    kind.add_argument("--stable", action="store_true",
+                      help="write weights whose greedy choices are stable and context-dependent (a test checkpoint that "
+                           "can catch a broken speculative path), the drafter's, and the quantized target in w8a8/ "
+                           "(~14 GB, a few minutes)")
 
 
 def run(args, extra) -> int:
-    target, drafter = make_dummy(args.dir, weights=args.weights)
+    target, drafter = make_dummy(args.dir, weights=args.weights, stable=args.stable)
     print(f"target:  {target}\ndrafter: {drafter}")
     return 0

@@ -107,8 +107,16 @@ def served_log() -> str:
 
 def pytest_collection_modifyitems(items):
     """Tests on the shared default server (`served`) run first: it starts once, then stops for the tests that
-    launch servers of their own (an H200 holds one server at SGLang's memory fraction)."""
-    items.sort(key=lambda item: "served" not in getattr(item, "fixturenames", ()))
+    launch servers of their own (an H200 holds one server at SGLang's memory fraction), among them those that
+    also compare with the shared server's earlier answers (a fixture in STOPS_SERVED stops it)."""
+    def after_served(item) -> bool:
+        names = getattr(item, "fixturenames", ())
+        return "served" not in names or any(name in STOPS_SERVED for name in names)
+
+    items.sort(key=after_served)
+
+
+STOPS_SERVED = {"plain"}  # tests/test_quantized_server_gpu.py: a server without speculation
 
 
 def stop_served() -> None:
@@ -116,21 +124,45 @@ def stop_served() -> None:
         _served.pop().close()
 
 
+def stable_checkpoint() -> tuple[Path, Path]:
+    """(quantized target, drafter) of `make-dummy --stable`, built once in the cache folder (~1.5 min): greedy
+    choices that depend on the context by wide margins, and a drafter real verification accepts."""
+    from qflash.server.dummy import DRAFTER_DIR, TARGET_DIR, W8A8_DIR, make_dummy
+
+    root = Path(os.environ.get("QFLASH_CACHE", "~/.cache/qflash")).expanduser() / "stable"
+    if not (root / W8A8_DIR / TARGET_DIR / "model.safetensors.index.json").exists():
+        make_dummy(root, stable=True)
+    return root / W8A8_DIR / TARGET_DIR, root / DRAFTER_DIR
+
+
+REAL = os.environ.get("QFLASH_CHECKPOINT"), os.environ.get("QFLASH_DRAFTER")  # a real quantized target and drafter
+
+
 @pytest.fixture(scope="session")
-def served(tmp_path_factory):
+def fault_file(tmp_path_factory) -> Path:
+    """Where a test names the fault the shared server is to inject (tests/fault_control.py)."""
+    return tmp_path_factory.mktemp("faults") / "fault"
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory, fault_file):
     """`./launch.sh` as a user starts it, once for every GPU module that talks to the default server (a start
-    costs minutes of device time): the dummy W8A8 model on qflash's kernels, DFLASH K=16, prefix caching on,
-    an API key (SERVED_KEY; the tests send it through API).
-    Real verification (SGLANG_SIMULATE_ACC_LEN unset). QFLASH_CHECKPOINT and QFLASH_DRAFTER serve real
-    weights instead of the dummy (see tests/test_quantized_server_gpu.py)."""
+    costs minutes of device time): qflash's kernels, DFLASH K=16, prefix caching on, an API key (SERVED_KEY; the
+    tests send it through API), real verification (SGLANG_SIMULATE_ACC_LEN unset). The model is the stable-choice
+    checkpoint, so comparisons of outputs mean something (QFLASH_CHECKPOINT and QFLASH_DRAFTER: real weights
+    instead). The server carries the test fault plugin, idle until a test names a fault in `fault_file`."""
+    from fault_control import fault_env
+
     os.environ.pop("SGLANG_SIMULATE_ACC_LEN", None)
-    real = [os.environ.get("QFLASH_CHECKPOINT"), os.environ.get("QFLASH_DRAFTER")]
-    model = ["--model-path", real[0], "--draft-model-path", real[1]] if all(real) else []
+    target, drafter = REAL if all(REAL) else stable_checkpoint()
     stack = contextlib.ExitStack()
     folder = tmp_path_factory.mktemp("served")
     _served_log.append(folder / "server.log")
-    stack.enter_context(launched(*model, "--port", str(SERVED_PORT), "--api-key", SERVED_KEY, "--log", str(_served_log[-1]),
-                                 log=folder / "launch.out"))
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in fault_env(fault_file).items():
+            env.setenv(key, value)
+        stack.enter_context(launched("--model-path", str(target), "--draft-model-path", str(drafter), "--port", str(SERVED_PORT),
+                                     "--api-key", SERVED_KEY, "--log", str(_served_log[-1]), log=folder / "launch.out"))
     _served.append(stack)
     yield
     stop_served()

@@ -36,15 +36,23 @@ def server(served):
     return served
 
 
-def test_qflash_eval_runs_lm_eval_against_the_server(server, tmp_path):
-    out = tmp_path / "eval.json"
-    result = subprocess.run(
+def qflash_eval(threshold: float, out) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, "-m", "qflash.server.cli", "eval", "--base-url", BASE, "--tasks", "qflash_tiny",
-         "--include-path", str(REPO / "tests" / "data" / "eval"), "--threshold", "qflash_tiny:exact_match,none=0",
+         "--include-path", str(REPO / "tests" / "data" / "eval"), "--threshold", f"qflash_tiny:exact_match,none={threshold}",
          "--output", str(out), "--api-key", SERVED_KEY], capture_output=True, text=True, timeout=300, env=ENV)
+
+
+def test_qflash_eval_runs_lm_eval_against_the_server_and_gates_on_its_score(server, tmp_path):
+    out = tmp_path / "eval.json"
+    result = qflash_eval(0, out)
     print(result.stdout)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     saved = json.loads(out.read_text())
     assert saved["model"] == "Qwen3.5-4B" and saved["passed"]
-    assert 0.0 <= saved["results"]["qflash_tiny"]["exact_match,none"] <= 1.0
+    score = saved["results"]["qflash_tiny"]["exact_match,none"]
     assert "| qflash_tiny | exact_match,none |" in result.stdout
+    # the same run gated just above the score it got must fail, with exit status 1
+    above = qflash_eval(score + 0.01, tmp_path / "above.json")
+    assert above.returncode == 1, above.stdout + above.stderr[-3000:]
+    assert not json.loads((tmp_path / "above.json").read_text())["passed"] and "FAIL" in above.stdout

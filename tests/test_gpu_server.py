@@ -6,7 +6,7 @@ import pytest
 import requests
 import torch
 
-from conftest import API, SERVED as BASE, SERVED_KEY
+from conftest import API, REAL, SERVED as BASE, SERVED_KEY
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -42,23 +42,27 @@ def test_models_lists_the_served_model(client):
 
 
 def test_native_generate_speculates(server):
-    body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}}
+    words = " ".join(f"word{i}" for i in range(60))  # long enough to fill every slot of the stable checkpoint
+    body = {"text": words, "sampling_params": {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True}}
     r = API.post(BASE + "/generate", json=body, timeout=120)
     assert r.status_code == 200, r.text
     out = r.json()
-    assert isinstance(out["text"], str) and out["meta_info"]["completion_tokens"] == 64
-    assert out["meta_info"]["spec_accept_length"] >= 1.0 and out["meta_info"]["spec_verify_ct"] >= 1
+    assert out["text"] and out["meta_info"]["completion_tokens"] == 64
+    # the drafter agrees with the stable checkpoint's target: real verification accepts several tokens a cycle
+    assert out["meta_info"]["spec_accept_length"] > (1.0 if all(REAL) else 2.0)
+    assert out["meta_info"]["spec_verify_ct"] < 64
 
 
 def test_native_generate_from_token_ids_is_greedy_deterministic(server):
     body = {"input_ids": list(range(1000, 1100)), "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}}
     first, second = (API.post(BASE + "/generate", json=body, timeout=120).json() for _ in range(2))
     assert first["output_ids"] == second["output_ids"] and len(first["output_ids"]) == 32
+    assert len(set(first["output_ids"])) > 1  # not one token repeated (SGLang's dummy weights did that)
 
 
 def test_openai_chat(client):
     resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi"}], max_tokens=16, temperature=0)
-    assert resp.choices[0].message.role == "assistant" and isinstance(resp.choices[0].message.content, str)
+    assert resp.choices[0].message.role == "assistant" and resp.choices[0].message.content
     assert resp.usage.completion_tokens <= 16 and resp.usage.prompt_tokens > 0
 
 
@@ -68,12 +72,12 @@ def test_openai_chat_stream(client):
     chunks = list(stream)
     assert len(chunks) >= 2
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert isinstance(text, str) and chunks[-1].choices[0].finish_reason in ("length", "stop")
+    assert text and chunks[-1].choices[0].finish_reason in ("length", "stop")
 
 
 def test_openai_completions(client):
     resp = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0)
-    assert isinstance(resp.choices[0].text, str) and resp.choices[0].finish_reason in ("length", "stop")
+    assert resp.choices[0].text and resp.choices[0].finish_reason in ("length", "stop")
 
 
 def test_sglang_frontend_program(server):
@@ -85,13 +89,13 @@ def test_sglang_frontend_program(server):
         s += sgl.gen("answer", max_tokens=16, temperature=0)
 
     state = answer.run(question="What is 2 + 2?", backend=sgl.RuntimeEndpoint(BASE, api_key=SERVED_KEY))
-    assert isinstance(state["answer"], str)
+    assert state["answer"]
     assert state.get_meta_info("answer")["completion_tokens"] <= 16
 
 
 def test_eight_concurrent_requests_all_complete(server):
     def one(i):
-        body = {"input_ids": [1000 + i] * (64 + 100 * i), "sampling_params": {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}}
+        body = {"input_ids": list(range(1000 + i, 1064 + 101 * i)), "sampling_params": {"max_new_tokens": 48, "temperature": 0, "ignore_eos": True}}
         return API.post(BASE + "/generate", json=body, timeout=300)
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import API, SERVED as BASE
+from fault_control import injected
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -55,8 +56,8 @@ def test_repeat_requests_reuse_the_cache(server):
     assert again["meta_info"]["cached_tokens"] >= 960, again["meta_info"]
 
 
-@pytest.mark.parametrize("length", PROMPTS)
-def test_a_prefix_checkpointed_during_verify_gives_the_same_output_as_no_cache(server, length):
+def cached_and_fresh(length: int) -> tuple[dict, dict, dict]:
+    """(first request, follow-up on the cache it left, the same follow-up on an empty cache)."""
     flush()
     ids = prompt(length, 1)
     first = generate(ids, NEW)
@@ -65,11 +66,25 @@ def test_a_prefix_checkpointed_during_verify_gives_the_same_output_as_no_cache(s
     follow = ids + first["output_ids"][: boundary - length + 8] + prompt(24, 2)  # past the checkpoint, then new text
     cached = generate(follow, 48)
     flush()
-    fresh = generate(follow, 48)
+    return first, cached, generate(follow, 48)
+
+
+@pytest.mark.parametrize("length", PROMPTS)
+def test_a_prefix_checkpointed_during_verify_gives_the_same_output_as_no_cache(server, length):
+    first, cached, fresh = cached_and_fresh(length)
+    boundary = (length + NEW) // INTERVAL * INTERVAL
     meta = cached["meta_info"]
     print(f"\nprompt {length}: first request accept length {first['meta_info']['spec_accept_length']:.2f}; follow-up "
-          f"{len(follow)} tokens, {meta['cached_tokens']} from the cache, {len(set(fresh['output_ids']))} distinct output ids")
+          f"{meta['prompt_tokens']} tokens, {meta['cached_tokens']} from the cache, {len(set(fresh['output_ids']))} distinct output ids")
     assert meta["cached_tokens"] >= boundary, meta  # the hit includes the checkpoint written by a verify step
     assert fresh["meta_info"]["cached_tokens"] == 0
     mismatch = next((i for i, (a, b) in enumerate(zip(cached["output_ids"], fresh["output_ids"])) if a != b), None)
     assert cached["output_ids"] == fresh["output_ids"], f"first difference at output token {mismatch}"
+
+
+def test_the_check_catches_a_stale_checkpoint(server, fault_file):
+    """With the checkpoint copy after verify skipped (tests/faults), some follow-up must differ from fresh."""
+    with injected(fault_file, "stale_cache_checkpoint"):
+        found = [cached_and_fresh(length) for length in PROMPTS]
+    flush()
+    assert any(cached["output_ids"] != fresh["output_ids"] for _, cached, fresh in found)
