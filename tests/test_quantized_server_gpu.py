@@ -6,6 +6,7 @@ depend on the context by wide margins (server/stable_weights.py), and their `qfl
 the real path offline. QFLASH_CHECKPOINT and QFLASH_DRAFTER name real ones instead. Then one server of the same
 checkpoint without speculation gives plain greedy decoding and a teacher-forced forward:
 - speculative = plain greedy, token for token, over 16 prompts x 256 tokens, with mean acceptance > 2;
+- 8 requests at once = each alone;
 - plain = teacher-forced argmax, and fp32 / bf16 transformers choose the same, by the margins reported;
 - each check catches its fault: a fault named while the shared server runs (tests/fault_control.py) must make
   its check fail.
@@ -63,6 +64,13 @@ def test_real_verification_accepts_more_than_two_tokens_per_cycle(speculative):
     print(f"\nDFLASH accept length over {PROMPTS} prompts: mean {accept(speculative):.2f}, "
           f"min {min(o['meta_info']['spec_accept_length'] for o in speculative):.2f}")
     assert accept(speculative) > 2
+
+
+def test_eight_concurrent_requests_equal_each_alone(speculative):
+    """Batched verify, draft and GDN commit against the same requests alone (the server runs 8 at a time)."""
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda p: generate(BASE, p)["output_ids"], prompts()[:8]))
+    assert together == [o["output_ids"] for o in speculative[:8]]
 
 
 def with_fault(fault: str, fault_file) -> list[dict]:
