@@ -10,7 +10,7 @@ from qflash.server.errors import UserError
 # name: (module, one line of help). (GPU) marks the subcommands that need a CUDA GPU.
 COMMANDS = {
     "serve": ("qflash.server.launcher", "start the server (GPU); flags it does not know go to sglang.launch_server"),
-    "make-dummy": ("qflash.server.dummy", "write an offline Qwen3.5-4B + DFlash model: configs, tokenizer, optional random weights"),
+    "make-dummy": ("qflash.server.dummy", "write an offline Qwen3.5-4B + DFlash model: configs, tokenizer, optional random or stable-choice weights"),
     "quantize": ("qflash.quant.quantize", "a Qwen3.5 checkpoint to qflash's W8A8 body + W8A16 lm_head text checkpoint"),
     "quality": ("qflash.server.tools.quality", "relative error of hidden states and logits, W8A8 checkpoint vs its bf16 source"),
     "bench": ("qflash.server.tools.bench", "latency scoreboard against stock SGLang (GPU); other flags go to every SGLang system"),

@@ -98,3 +98,12 @@ def test_dummy_dir_is_one_without_weights(dummy_dirs, tmp_path):
     (real / "model-00001-of-00002.safetensors").write_bytes(b"")
     assert not is_dummy_dir(real)
     assert not is_dummy_dir(tmp_path / "missing")
+
+
+def test_make_dummy_takes_random_or_stable_weights_not_both(tmp_path, capsys):
+    from qflash.server.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["make-dummy", str(tmp_path / "d"), "--weights", "--stable"])
+    assert exit_.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
