@@ -138,6 +138,11 @@ def stable_checkpoint() -> tuple[Path, Path]:
 REAL = os.environ.get("QFLASH_CHECKPOINT"), os.environ.get("QFLASH_DRAFTER")  # a real quantized target and drafter
 
 
+def served_model() -> tuple[Path, Path]:
+    """(target, drafter) the GPU tests serve: the real ones if named, else the stable-choice checkpoint."""
+    return tuple(map(Path, REAL)) if all(REAL) else stable_checkpoint()
+
+
 @pytest.fixture(scope="session")
 def fault_file(tmp_path_factory) -> Path:
     """Where a test names the fault the shared server is to inject (tests/fault_control.py)."""
@@ -154,7 +159,7 @@ def served(tmp_path_factory, fault_file):
     from fault_control import fault_env
 
     os.environ.pop("SGLANG_SIMULATE_ACC_LEN", None)
-    target, drafter = REAL if all(REAL) else stable_checkpoint()
+    target, drafter = served_model()
     stack = contextlib.ExitStack()
     folder = tmp_path_factory.mktemp("served")
     _served_log.append(folder / "server.log")

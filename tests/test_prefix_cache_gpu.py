@@ -56,12 +56,17 @@ def test_repeat_requests_reuse_the_cache(server):
     assert again["meta_info"]["cached_tokens"] >= 960, again["meta_info"]
 
 
+def checkpoint_after(length: int) -> int:
+    """The last checkpoint the first request's decoding crosses."""
+    return (length + NEW) // INTERVAL * INTERVAL
+
+
 def cached_and_fresh(length: int) -> tuple[dict, dict, dict]:
     """(first request, follow-up on the cache it left, the same follow-up on an empty cache)."""
     flush()
     ids = prompt(length, 1)
     first = generate(ids, NEW)
-    boundary = (length + NEW) // INTERVAL * INTERVAL
+    boundary = checkpoint_after(length)
     assert length < boundary, "the first request must decode across a checkpoint"
     follow = ids + first["output_ids"][: boundary - length + 8] + prompt(24, 2)  # past the checkpoint, then new text
     cached = generate(follow, 48)
@@ -72,11 +77,10 @@ def cached_and_fresh(length: int) -> tuple[dict, dict, dict]:
 @pytest.mark.parametrize("length", PROMPTS)
 def test_a_prefix_checkpointed_during_verify_gives_the_same_output_as_no_cache(server, length):
     first, cached, fresh = cached_and_fresh(length)
-    boundary = (length + NEW) // INTERVAL * INTERVAL
     meta = cached["meta_info"]
     print(f"\nprompt {length}: first request accept length {first['meta_info']['spec_accept_length']:.2f}; follow-up "
           f"{meta['prompt_tokens']} tokens, {meta['cached_tokens']} from the cache, {len(set(fresh['output_ids']))} distinct output ids")
-    assert meta["cached_tokens"] >= boundary, meta  # the hit includes the checkpoint written by a verify step
+    assert meta["cached_tokens"] >= checkpoint_after(length), meta  # the hit includes the checkpoint written by a verify step
     assert fresh["meta_info"]["cached_tokens"] == 0
     mismatch = next((i for i, (a, b) in enumerate(zip(cached["output_ids"], fresh["output_ids"])) if a != b), None)
     assert cached["output_ids"] == fresh["output_ids"], f"first difference at output token {mismatch}"

@@ -20,7 +20,7 @@ import pytest
 import requests
 import torch
 
-from conftest import API, REAL, SERVED as BASE, stable_checkpoint, stop_served
+from conftest import API, REAL, SERVED as BASE, served_model, stable_checkpoint, stop_served
 from fault_control import injected
 from qflash.server.dummy import TARGET_DIR
 from qflash.server.launcher import ServerProcess, plugin_env
@@ -111,7 +111,7 @@ def plain(speculative, tmp_path_factory) -> dict:
     """Plain greedy decoding and teacher-forced choices on a server of the same checkpoint without speculation
     (the preset minus DFLASH; SGLang's chunked GDN prefill for the teacher, not qflash's short-prompt one)."""
     stop_served()
-    target, _ = REAL if all(REAL) else stable_checkpoint()
+    target, _ = served_model()
     flags = DFLASH_FLAGS[DFLASH_FLAGS.index("--attention-backend"):]
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(target), *QFLASH_W8A8_FLAGS[:2], *flags,
             "--port", str(PORT), "--disable-cuda-graph", "--disable-radix-cache"]

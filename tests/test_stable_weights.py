@@ -72,15 +72,17 @@ def test_cached_decoding_agrees_with_prefill(model):
 
 def _fake_quant_w8a8(model):
     """Per-channel int8 weights and per-token int8 activations in every decoder-layer linear (qflash's W8A8)."""
-    def quant(x, dim):
-        scale = x.abs().amax(dim=dim, keepdim=True).clamp_min(1e-12) / 127
-        return (x / scale).round().clamp(-127, 127) * scale
+    from qflash.quant.quantize import quantize_per_channel
+
+    def quant(x):  # each row of the last dimension: a weight's output channel, an activation's token
+        q, scale = quantize_per_channel(x.reshape(-1, x.shape[-1]))
+        return (q.float() * scale).reshape(x.shape).to(x.dtype)
 
     for layer in model.model.layers:
         for linear in (m for m in layer.modules() if isinstance(m, torch.nn.Linear)):
-            linear.weight.data = quant(linear.weight.data, 1)
-            linear.register_forward_pre_hook(lambda _, args: (quant(args[0], -1),))
-    model.lm_head.weight.data = quant(model.lm_head.weight.data, 1)  # unties: W8A16 head
+            linear.weight.data = quant(linear.weight.data)
+            linear.register_forward_pre_hook(lambda _, args: (quant(args[0]),))
+    model.lm_head.weight.data = quant(model.lm_head.weight.data)  # unties: W8A16 head
     return model
 
 
