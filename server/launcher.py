@@ -24,8 +24,9 @@ from qflash.server.errors import UserError
 from qflash.server.hooks import APPLIED, PINNED_SGLANG, REFUSED
 
 APPLIED_MARK = APPLIED.split("{count}")[1].split("{version}")[0]  # " hooks applied on sglang "
-from qflash.server.preset import (DFLASH_FLAGS, HOST, PORT, PREFIX_CACHE, PREFIX_CACHE_FLAGS, QFLASH_SERVING_FLAGS,
-                                  QFLASH_W8A8_FLAGS, REQUEST_LIMITS)
+from qflash.server import window
+from qflash.server.preset import (DFLASH_FLAGS, HOST, PORT, PREFIX_CACHE, PREFIX_CACHE_FLAGS, QFLASH_SERVER_ENV,
+                                  QFLASH_SERVING_FLAGS, QFLASH_W8A8_FLAGS, REQUEST_LIMITS, WINDOW_CYCLES)
 
 DEFAULT_CACHE = Path(os.environ.get("QFLASH_CACHE", "~/.cache/qflash")).expanduser()
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -88,8 +89,10 @@ def sglang_argv(target: Path, drafter: Path, extra: list[str], host: str = HOST,
 
 
 def plugin_env(plugins: str, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The server's environment: this one, with only the named qflash plugins enabled."""
-    return {**os.environ, "SGLANG_PLUGINS": plugins, "PYTHONUNBUFFERED": "1", **(extra or {})}
+    """The server's environment: this one (over qflash's SGLang settings, for the full stack), with only the named
+    qflash plugins enabled."""
+    serving = QFLASH_SERVER_ENV if plugins == "qflash" else {}
+    return {**serving, **os.environ, "SGLANG_PLUGINS": plugins, "PYTHONUNBUFFERED": "1", **(extra or {})}
 
 
 class ServerProcess:
@@ -202,6 +205,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the SGLang command and exit")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=PREFIX_CACHE,
                    help="SGLang's radix cache with qflash's DFLASH fixes (default: on)")
+    p.add_argument("--window-cycles", type=window_cycles, default=WINDOW_CYCLES,
+                   help=f"speculative cycles per scheduler step, 1-{window.MAX_CYCLES} (default {WINDOW_CYCLES})")
     p.add_argument("--max-n", type=int, default=REQUEST_LIMITS["max_n"],
                    help=f"largest `n` a request may ask for (default {REQUEST_LIMITS['max_n']})")
     p.add_argument("--max-top-logprobs", type=int, default=REQUEST_LIMITS["max_top_logprobs"],
@@ -210,10 +215,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"largest request body in MiB (default {REQUEST_LIMITS['max_request_bytes'] >> 20})")
 
 
-def limits_env(args: argparse.Namespace) -> dict[str, str]:
-    """The request limits as the server's hooks read them (server/hooks/requests.py)."""
+def window_cycles(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= window.MAX_CYCLES:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose 1 to {window.MAX_CYCLES}")
+    return value
+
+
+def settings_env(args: argparse.Namespace) -> dict[str, str]:
+    """The request limits and the window as the server's hooks read them (server/hooks/requests.py, server/window.py)."""
     return {"QFLASH_MAX_N": str(args.max_n), "QFLASH_MAX_TOP_LOGPROBS": str(args.max_top_logprobs),
-            "QFLASH_MAX_REQUEST_BYTES": str(int(args.max_request_mb * 2**20))}
+            "QFLASH_MAX_REQUEST_BYTES": str(int(args.max_request_mb * 2**20)), window.ENV: str(args.window_cycles)}
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
@@ -237,7 +249,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         return 0
     log = args.log or DEFAULT_CACHE / "logs" / f"server-{args.port}.log"
     unwind_on_sigterm()
-    server = ServerProcess(argv, plugin_env("qflash", limits_env(args)), log, f"http://{args.host}:{args.port}", args.api_key)
+    server = ServerProcess(argv, plugin_env("qflash", settings_env(args)), log, f"http://{args.host}:{args.port}", args.api_key)
     try:
         server.start()
         print(f"qflash: starting SGLang (log: {log})", flush=True)

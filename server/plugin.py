@@ -6,17 +6,22 @@ let a server start without what they install (server/hooks/__init__.py).
 """
 
 from qflash.server import hooks
-from qflash.server.hooks import (attention, draft_pick, gdn_prefill, gdn_verify, graph_monitor, quantization, radix_cache,
-                                 requests, text_only_model)
+from qflash.server.hooks import (attention, cycle_meter, draft_pick, gdn_prefill, gdn_verify, graph_monitor, multi_cycle,
+                                 quantization, radix_cache, requests, text_only_model)
 
 MODEL_PACKAGE = "qflash.server.models"
 TEXT_ONLY = text_only_model.CHANGES
 QFLASH = [*TEXT_ONLY, *quantization.CHANGES, *requests.CHANGES, *draft_pick.CHANGES, *graph_monitor.CHANGES,
-          *attention.CHANGES, *radix_cache.CHANGES, *gdn_verify.CHANGES, *gdn_prefill.CHANGES]
+          *attention.CHANGES, *radix_cache.CHANGES, *gdn_verify.CHANGES, *gdn_prefill.CHANGES, *multi_cycle.CHANGES]
+
+
+def metered(changes: list) -> list:
+    """`changes`, with the cycle meter where the server's environment asks for it (`qflash bench`)."""
+    return [*changes, *cycle_meter.CHANGES] if cycle_meter.enabled() else changes
 
 
 def register_text_only() -> None:
-    hooks.install(TEXT_ONLY)
+    hooks.install(metered(TEXT_ONLY))
 
 
 def _register_model_and_method() -> list[str]:
@@ -39,4 +44,4 @@ def _register_model_and_method() -> list[str]:
 
 
 def register() -> None:
-    hooks.install(QFLASH, extra_check=_register_model_and_method)
+    hooks.install(metered(QFLASH), extra_check=_register_model_and_method)

@@ -171,5 +171,13 @@ GDN_VERIFY_FLAGS = ["--enable-linear-replayssm-spec"]
 # the server admits and piecewise prefill graphs on block multiples (graphs/policy.py), and the GDN verify above.
 QFLASH_SERVING_FLAGS = graph_flags(BLOCK_SIZE, MAX_RUNNING_REQUESTS, CHUNKED_PREFILL_SIZE) + GDN_VERIFY_FLAGS
 
+# Speculative cycles per scheduler step (server/window.py): the scheduler's per-step Python runs once per window.
+# The most the radix cache allows; it ran the shortest requests of 1, 2, 4 and 8 (BENCHMARKS.md, 2026-12-01).
+WINDOW_CYCLES = 8
+
+# SGLang's environment for qflash's server: the overlap scheduler's preparation of each step (KV slot reservation,
+# req_to_token writes) on a stream of its own (0.5.17's SGLANG_ENABLE_OVERLAP_PLAN_STREAM, off by default).
+QFLASH_SERVER_ENV = {"SGLANG_ENABLE_OVERLAP_PLAN_STREAM": "1"}
+
 HOST = "127.0.0.1"
 PORT = 30000

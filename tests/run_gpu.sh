@@ -8,7 +8,9 @@
 #   AB_TREE=.ab            qflash bench --systems qflash $AB_ARGS from another tree, then from the checkout, on one
 #                          machine (a diagnostic: no stock row). Make it with `git archive REF | tar -x -C .ab`
 #                          (git-ignored) and carry it too
-#   BENCH=sys1,sys2,...    qflash bench --systems ... $BENCH_ARGS (e.g. BENCH_ARGS="--profile-steps 8")
+#   BENCH=sys1,sys2,...    qflash bench --systems ... $BENCH_ARGS (e.g. BENCH_ARGS="--profile-steps 0")
+#   SWITCH_AB=sw1,sw2      tests/switch_ab.py --switches ... $SWITCH_AB_ARGS: the test plugin's run-time switches
+#                          (one_cycle_per_step, plan_stream_off, ...) against the default, on one server
 # Device tool: carry [".gpu"] (a copy of ../shared/device, the offline SGLang bundle); bash tests/run_gpu.sh
 set -uo pipefail
 # The device tool brings back at most 8 files: everything is staged, then packed into $OUT/run.tgz, with the
@@ -17,6 +19,10 @@ FINAL=${OUT:-/tmp/qflash-out}
 OUT=/tmp/qflash-stage
 status=0  # non-zero at the end if the tests or a benchmark failed
 mkdir -p "$OUT" "$FINAL"
+pack() {  # after each step: a call stopped at its time limit still brings back what the steps before it made
+  tar czf "$FINAL/run.tgz" -C "$OUT" .
+  cp "$OUT/results.md" "$FINAL/" 2>/dev/null
+}
 bash .gpu/install.sh /tmp/site >/dev/null && export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 export QFLASH_CACHE=/tmp/qflash-cache PYTHONUNBUFFERED=1
@@ -42,6 +48,7 @@ if [ "${TESTS:-}" != 0 ]; then
   grep -E "FAILED|ERROR|ready after|passed|failed|: 4[0-9][0-9] |losslessness|accept length|argmax =|stable checkpoint|drafter KV|soak:|^prompt [0-9]+:|qflash_tiny|hooks applied|refusing" "$OUT/gpu-tests.log"
   pkill -f sglang.launch_server; sleep 3
   find /tmp/pytest-of-* "$QFLASH_CACHE/logs" \( -name '*.log' -o -name '*.out' \) -print0 2>/dev/null | tar czf "$OUT/server-logs.tgz" --null -T - 2>/dev/null
+  pack
 fi
 
 if [ "${BENCH_KERNELS:-0}" = 1 ]; then
@@ -75,7 +82,16 @@ if [ -n "${BENCH:-}" ]; then
   grep -h -A3 "^Per step" /tmp/bench/profiles/*.md 2>/dev/null | head -40
   grep -h "qflash graphs\|qflash:" /tmp/bench/logs/*.log 2>/dev/null | sort | uniq -c | head -30
   tar czf "$OUT/bench-logs.tgz" -C /tmp/bench logs 2>/dev/null
+  pack
 fi
-tar czf "$FINAL/run.tgz" -C "$OUT" .
-cp "$OUT/results.md" "$FINAL/" 2>/dev/null
+if [ -n "${SWITCH_AB:-}" ]; then
+  # shellcheck disable=SC2086
+  timeout "${SWITCH_AB_TIMEOUT:-300}" python3 tests/switch_ab.py --switches "$SWITCH_AB" --out /tmp/switch-ab ${SWITCH_AB_ARGS:-} \
+    > /tmp/switch-ab.log 2>&1 || status=1
+  tail -n 20 /tmp/switch-ab.log
+  cp /tmp/switch-ab/ab.md /tmp/switch-ab/ab.json "$OUT/" 2>/dev/null
+  cp /tmp/switch-ab/*.log "$OUT/" 2>/dev/null
+  pkill -f sglang.launch_server
+fi
+pack
 exit $status

@@ -114,6 +114,34 @@ def test_table_has_the_scoreboard_and_failures(rows):
     assert "| sglang-w8a8 | failed: server exited with code 1 |" in table
 
 
+def test_samples_take_their_requests_cycle_meter_lines():
+    from qflash.server.hooks.cycle_meter import LINE
+
+    log = "\n".join(["INFO something", LINE.format(rid="a1", steps=10, cycles=40, loop=180.0, wait=120.0),
+                     LINE.format(rid="b2", steps=39, cycles=39, loop=273.0, wait=39.0)])
+    got = bench.metered([{"rid": "b2", "x": 1}, {"rid": "a1"}, {"rid": "c3"}, {}], log)
+    assert got[0] == {"rid": "b2", "x": 1, "meter_cycles": 39, "loop_cycle_ms": pytest.approx(7.0), "host_cycle_ms": pytest.approx(6.0)}
+    assert (got[1]["meter_cycles"], got[1]["loop_cycle_ms"], got[1]["host_cycle_ms"]) == (40, 4.5, 1.5)
+    assert got[2]["host_cycle_ms"] is None and got[3]["host_cycle_ms"] is None  # no line: not metered
+
+
+def test_rows_put_the_gpu_time_per_cycle_beside_the_wall_time_and_mark_host_bound_ones():
+    def sample(system, bucket, host):
+        return {"system": system, "bucket": bucket, "warmup": False, "latency_ms": 290.0, "ttft_ms": 50.0,
+                "output_tokens": 256, "accept_len": 6.5, "verify_steps": 40, "host_cycle_ms": host}
+
+    samples = [sample("qflash", 64, 2.0), sample("qflash", 64, 4.0), sample("qflash", 64, 3.0), sample("sglang-bf16", 64, None)]
+    rows = bench.summarize(samples, gpu_cycle_ms={"qflash": {"64": 5.5}, "sglang-bf16": {"64": 6.2}})
+    q, stock = row(rows, "qflash", 64), row(rows, "sglang-bf16", 64)
+    assert q["cycle_ms"] == pytest.approx(6.0) and q["gpu_cycle_ms"] == 5.5 and q["host_cycle_ms"] == 3.0
+    assert q["host_bound"] is False and stock["host_bound"] is False  # 6.0 <= 1.15 x 5.5
+    q2 = row(bench.summarize(samples, gpu_cycle_ms={"qflash": {"64": 5.0}}), "qflash", 64)
+    assert q2["host_bound"] is True  # 6.0 > 1.15 x 5.0
+    assert row(bench.summarize(samples), "qflash", 64)["host_bound"] is None  # not profiled
+    table = bench.render_table(bench.summarize(samples, gpu_cycle_ms={"qflash": {"64": 5.0}}), {})
+    assert "| 6.00 host-bound | 5.00 | 3.00 |" in table and "| 6.00 | - | - |" in table
+
+
 def test_chart_is_a_png(rows, tmp_path):
     bench.render_chart(rows, tmp_path / "latency.png")
     data = (tmp_path / "latency.png").read_bytes()
@@ -137,14 +165,15 @@ def test_flags_bench_does_not_know_go_to_the_sglang_servers():
     from qflash.server.cli import parser
 
     args, extra = parser("bench").parse_known_args(["bench", "--out", "x", "--systems", "qflash", "--speculative-attention-mode", "decode"])
-    assert args.passthrough and extra == ["--speculative-attention-mode", "decode"] and args.profile_steps == 0
-    assert parser("bench").parse_args(["bench", "--out", "x", "--profile-steps", "8"]).profile_steps == 8
+    assert args.passthrough and extra == ["--speculative-attention-mode", "decode"]
+    assert args.profile_steps == bench.PROFILE_STEPS > 0  # every run records the GPU busy time per cycle
+    assert parser("bench").parse_args(["bench", "--out", "x", "--profile-steps", "0"]).profile_steps == 0
 
 
 def test_committed_h200_run_re_renders_from_its_samples():
     run = json.loads((REPO / "benchmarks" / "2026-11-30-h200.json").read_text())
     rows = bench.summarize(run["samples"])
-    assert rows == run["rows"]
+    assert [{k: r[k] for k in recorded} for r, recorded in zip(rows, run["rows"])] == run["rows"]  # it predates the GPU columns
     assert all(r["valid"] for r in rows) and {r["system"] for r in rows} == set(bench.SYSTEMS)
     table = bench.render_table(rows, run["errors"])
     assert "| qflash | 270.9 | 384.6 | 752.7 | 27.3x | 1.02x |" in table
@@ -155,7 +184,7 @@ def test_a_bench_stopped_while_it_profiles_keeps_its_timed_rows(tmp_path, monkey
     # were lost. The servers and requests are stand-ins here; what is checked is what the bench writes.
     @contextlib.contextmanager
     def server(system, *args, **kwargs):
-        yield SimpleNamespace(base_url=f"http://{system}")
+        yield SimpleNamespace(base_url=f"http://{system}", log=lambda: "")
 
     def stopped(*args, **kwargs):
         raise KeyboardInterrupt  # what the bench makes of SIGTERM (launcher.unwind_on_sigterm)

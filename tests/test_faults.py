@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -52,6 +53,9 @@ TRITON_ACCEPT = WORKER + "_compute_dflash_accept_bonus_triton_unchecked"
 EAGER_ACCEPT = WORKER + "compute_dflash_correct_drafts_and_bonus"
 FOLD = "sglang.kernels.ops.attention.fla.gdn_replayssm_spec_fold.commit_gdn_replayssm_fold_after_verify"
 KV = WORKER + "DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc"
+CARRY = "qflash.server.window.carry_to_next_cycle"
+PLAN = "qflash.server.window.plan_cycles"
+PLAN_STREAM = "sglang.srt.speculative.dflash_info_v2._get_overlap_plan_stream"
 
 CAND = torch.tensor([[7, 1, 2, 3, 4], [7, 1, 2, 3, 4], [7, 1, 2, 3, 4]])  # block of K=5: current token + 4 drafts
 TOP = torch.tensor([[1, 2, 9, 9, 5], [1, 2, 3, 4, 5], [8, 8, 8, 8, 8]])  # target choices: 2, 4 (all), 0 drafts match
@@ -68,14 +72,21 @@ def sample_kwargs(target: str) -> dict:
         return {"spec_state": object(), "state_batch_indices": torch.tensor([10, 11, 12]), "accept_lens": LAST + 1,
                 "last_correct_step_indices": LAST, "mamba_track_indices": torch.tensor([20, 21, 22]),
                 "mamba_steps_to_track": torch.tensor([-1, 0, 3])}
+    if target == CARRY:
+        return {"batch": object(), "draft_input": SimpleNamespace(bonus_tokens=torch.tensor([5])),
+                "bonus_tokens": torch.tensor([6]), "seq_lens": torch.tensor([40])}
+    if target == PLAN:
+        return {"reqs": [], "limit": 4, "in_flight": 1, "block": 16, "context_len": 16384}
     assert target == KV
     return {"target_hidden": torch.zeros(3, 2), "cache_loc": torch.tensor([4, 5, 6]), "positions": torch.tensor([0, 1, 2]),
             "commit_lens": torch.tensor([3])}
 
 
 def test_the_plugin_wraps_the_targets_this_test_knows():
-    assert set(plugin().HOOKS) == {TRITON_ACCEPT, EAGER_ACCEPT, FOLD, KV}
-    assert plugin().FAULTS == ["accept_off_by_one", "drafter_kv_shift", "gdn_state_wrong_step", "stale_cache_checkpoint"]
+    assert set(plugin().HOOKS) == {TRITON_ACCEPT, EAGER_ACCEPT, FOLD, KV, CARRY, PLAN, PLAN_STREAM}
+    assert plugin().FAULTS == ["accept_off_by_one", "drafter_kv_shift", "gdn_state_wrong_step", "one_cycle_per_step",
+                               "plan_stream_off", "plan_stream_on", "stale_cache_checkpoint", "window_2", "window_4",
+                               "window_stale_bonus"]
 
 
 def test_the_fault_is_read_again_whenever_the_file_changes(fault_path):
@@ -88,7 +99,7 @@ def test_the_fault_is_read_again_whenever_the_file_changes(fault_path):
 
 
 @pytest.mark.parametrize("state", ["no file", "empty file", "another fault"])
-@pytest.mark.parametrize("target", [TRITON_ACCEPT, EAGER_ACCEPT, FOLD, KV])
+@pytest.mark.parametrize("target", [TRITON_ACCEPT, EAGER_ACCEPT, FOLD, KV, CARRY, PLAN])
 def test_a_hook_passes_the_call_through_unless_its_fault_is_named(target, state, fault_path):
     if state != "no file":
         other = next(f for f in plugin().FAULTS if f not in plugin().TARGETS[target])
@@ -143,6 +154,36 @@ def test_drafter_kv_shift_writes_the_context_one_position_later(fault_path):
         (_, got), _ = call(KV, **kwargs)
     assert got["positions"].tolist() == [1, 2, 3] and kwargs["positions"].tolist() == [0, 1, 2]
     assert all(got[k] is v for k, v in kwargs.items() if k != "positions")
+
+
+def test_window_stale_bonus_starts_the_next_block_from_the_previous_bonus(fault_path):
+    kwargs = sample_kwargs(CARRY)
+    with injected(fault_path, "window_stale_bonus"):
+        (_, got), _ = call(CARRY, **kwargs)
+    assert got["bonus_tokens"] is kwargs["draft_input"].bonus_tokens
+    assert all(got[k] is v for k, v in kwargs.items() if k != "bonus_tokens")
+
+
+@pytest.mark.parametrize("switch, limit", [("one_cycle_per_step", 1), ("window_2", 2), ("window_4", 4)])
+def test_window_switches_limit_the_planner(fault_path, switch, limit):
+    with injected(fault_path, switch):
+        (_, got), _ = call(PLAN, **{**sample_kwargs(PLAN), "limit": 8})
+    assert got == {**sample_kwargs(PLAN), "limit": limit}
+
+
+def test_plan_stream_off_sets_the_environment_for_the_call_alone(fault_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_ENABLE_OVERLAP_PLAN_STREAM", "1")
+    seen = []
+    hook = plugin().HOOKS[PLAN_STREAM]
+    original = lambda device: seen.append(os.environ["SGLANG_ENABLE_OVERLAP_PLAN_STREAM"]) or device
+    assert hook(original, "cuda") == "cuda"
+    with injected(fault_path, "plan_stream_off"):
+        assert hook(original, "cuda") == "cuda"
+    assert hook(original, "cuda") == "cuda"
+    monkeypatch.delenv("SGLANG_ENABLE_OVERLAP_PLAN_STREAM")
+    with injected(fault_path, "plan_stream_on"):
+        assert hook(original, "cuda") == "cuda"
+    assert seen == ["1", "0", "1", "1"] and "SGLANG_ENABLE_OVERLAP_PLAN_STREAM" not in os.environ
 
 
 def test_the_control_helpers(tmp_path, monkeypatch):
@@ -229,9 +270,38 @@ def append():
     return written[0]
 
 
+from qflash.server import window
+from sglang.srt.speculative import dflash_info_v2 as info
+
+batch, draft = SimpleNamespace(), SimpleNamespace()
+
+
+def carry():
+    draft.bonus_tokens = "verified before"
+    window.carry_to_next_cycle(batch=batch, draft_input=draft, bonus_tokens="just verified", seq_lens="new lengths")
+    return [draft.bonus_tokens, batch.seq_lens, batch.forward_mode.name]
+
+
+def plan():
+    req = SimpleNamespace(spec_verify_ct=0, spec_num_correct_drafts=0, output_ids=[], kv_committed_len=100,
+                          sampling_params=SimpleNamespace(max_new_tokens=None))
+    return window.plan_cycles([req], limit=4, in_flight=1, block=16, context_len=16384)
+
+
+def plan_stream():
+    info._OVERLAP_PLAN_STREAMS.clear()
+    fake = SimpleNamespace(Stream=lambda: "a stream", stream=lambda stream: None)
+    real, torch.get_device_module = torch.get_device_module, lambda device: fake
+    try:
+        return info._get_overlap_plan_stream("cuda")[0]
+    finally:
+        torch.get_device_module = real
+
+
 for fault in ["", *faults.FAULTS, ""]:
     Path(os.environ["QFLASH_FAULTS_FILE"]).write_text(fault)
-    out["runs"].append([fault, {"accept": accept(), "commit": commit(), "kv": append()}])
+    out["runs"].append([fault, {"accept": accept(), "commit": commit(), "kv": append(), "carry": carry(), "plan": plan(),
+                                "plan_stream": plan_stream()}])
 print(json.dumps(out))
 """
 
@@ -240,6 +310,9 @@ CLEAN = {
                "triton": [[2, 4, 0], [3, 5, 1], [9, 5, 8], [[1, 2, 9, 4, 0], [1, 2, 3, 4, 5], [8, 2, 3, 4, 0]], [103, 205, 301]]},
     "commit": [["ssm", [10, 11, 12], [1, 2, 6], [-1, 0, 3]], ["conv", [10, 11, 12], [0, 1, 5]], ["conv", [20, 21, 22], [-1, 0, 3]]],
     "kv": [0, 1, 2],
+    "carry": ["just verified", "new lengths", "DECODE"],
+    "plan": 4,
+    "plan_stream": "a stream",
 }
 FAULTY = {  # what each fault changes of CLEAN
     "accept_off_by_one": {"accept": {"eager": [[3, 4, 1], [9, 5, 8]],
@@ -248,13 +321,20 @@ FAULTY = {  # what each fault changes of CLEAN
     "stale_cache_checkpoint": {"commit": [["ssm", [10, 11, 12], [1, 2, 6], [-1, -1, -1]], CLEAN["commit"][1],
                                           ["conv", [20, 21, 22], [-1, -1, -1]]]},
     "drafter_kv_shift": {"kv": [1, 2, 3]},
+    "window_stale_bonus": {"carry": ["verified before", "new lengths", "DECODE"]},
+    "one_cycle_per_step": {"plan": 1},
+    "window_2": {"plan": 2},
+    "window_4": {},
+    "plan_stream_off": {"plan_stream": None},
+    "plan_stream_on": {},
 }
 
 
 @pytest.fixture(scope="module")
 def server_process(tmp_path_factory):
     fault_path = tmp_path_factory.mktemp("probe") / "fault"
-    env = {**fault_env(fault_path), "SGLANG_PLUGINS": "qflash_text_only,qflash", "TRITON_INTERPRET": "1"}
+    env = {**fault_env(fault_path), "SGLANG_PLUGINS": "qflash_text_only,qflash", "TRITON_INTERPRET": "1",
+           "SGLANG_ENABLE_OVERLAP_PLAN_STREAM": "1"}  # as qflash serves (preset.QFLASH_SERVER_ENV)
     result = run_python(PROBE, env=env, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"qflash test faults: {len(plugin().HOOKS)} hooks registered in pid" in result.stderr

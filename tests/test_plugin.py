@@ -162,10 +162,12 @@ def test_a_server_process_refuses_to_start_without_qflash_in_place(fault):
     assert len(refusal) == 1 and message in refusal[0], result.stderr[-2000:]
 
 
-@pytest.mark.parametrize("plugins, count", [("qflash", 21), ("qflash_text_only", 1), ("", 21)])
-def test_each_process_says_how_many_hooks_it_applied(plugins, count):
-    """`qflash serve` waits for this line; with SGLANG_PLUGINS unset SGLang loads both plugins, once each change."""
-    result = run_python(LOAD.format(fault=""), env={"SGLANG_PLUGINS": plugins})
+@pytest.mark.parametrize("plugins, meter, count", [("qflash", "", 26), ("qflash_text_only", "", 1), ("", "", 26),
+                                                  ("qflash", "1", 27), ("qflash_text_only", "1", 2)])
+def test_each_process_says_how_many_hooks_it_applied(plugins, meter, count):
+    """`qflash serve` waits for this line; with SGLANG_PLUGINS unset SGLang loads both plugins, once each change;
+    `qflash bench` adds the cycle meter to both."""
+    result = run_python(LOAD.format(fault=""), env={"SGLANG_PLUGINS": plugins, "QFLASH_CYCLE_METER": meter})
     assert result.returncode == 0 and "loaded" in result.stdout, result.stderr[-2000:]
     applied = [line for line in result.stderr.splitlines() if " hooks applied on sglang 0.5.17: " in line]
     assert sum(int(line.split()[1]) for line in applied) == count, applied

@@ -63,6 +63,19 @@ def test_kernels_are_grouped_by_the_graph_replay_that_launched_them():
     assert launch_groups(events + kernels, kernels) == {"draft graph": 50, "verify graph": 130, "eager kernels": 5, "other graph": 7}
 
 
+def test_the_gpu_time_per_cycle_counts_the_verify_graphs_a_step_replays():
+    """A window runs several cycles per scheduler step: each replays the verify graph once."""
+    events = [runtime("cudaGraphLaunch", c) for c in (1, 2, 3, 4)]
+    kernels = [kernel("_w8a16_argmax_kernel", 0, 100, corr=1), kernel("fused_recurrent_gated_delta_rule_fwd_kernel", 100, 300, corr=2),
+               kernel("_w8a16_argmax_kernel", 400, 100, corr=3), kernel("fused_recurrent_gated_delta_rule_fwd_kernel", 500, 300, corr=4),
+               kernel("_pack_cycle_kernel", 800, 10)]
+    s = summarize({"traceEvents": events + kernels}, steps=1)
+    assert s["cycles"] == 2 and s["gpu_cycle_ms"] == pytest.approx(0.405)
+    assert "2 cycles, GPU busy 0.405 ms per cycle" in render(s, "title")
+    eager = summarize({"traceEvents": [kernel("_w8a8_gemm_kernel", 0, 100)]}, steps=4)  # no graphs: a cycle a step
+    assert eager["cycles"] == 4 and eager["gpu_cycle_ms"] == pytest.approx(0.025)
+
+
 def test_host_spans_are_summed_per_step():
     def span(name, dur, cat="user_annotation"):
         return {"ph": "X", "cat": cat, "name": name, "ts": 0, "dur": dur}
@@ -152,4 +165,4 @@ def test_the_profiler_starts_before_the_request_or_a_few_cycles_in(tmp_path, mon
     if prefill:
         assert (request, chunks) == (0, 8)  # after the warm-up, before the profiled request
     else:
-        assert request == 1 and chunks in (profile.SKIP_CYCLES + 1, profile.SKIP_CYCLES + 2)  # a few cycles in
+        assert request == 1 and chunks in (profile.SKIP_CHUNKS + 1, profile.SKIP_CHUNKS + 2)  # a few cycles in

@@ -21,6 +21,7 @@ import requests
 from tqdm import tqdm
 
 from qflash.server.errors import UserError
+from qflash.server.hooks import cycle_meter
 from qflash.server.launcher import ServerDied, require_gpu
 from qflash.server.preset import PREFIX_CACHE, PROMPT_BUCKETS
 from qflash.server.tools.systems import (OUTPUT_LEN, SYSTEMS, add_speculation_args, csv, make_prompt,
@@ -28,6 +29,8 @@ from qflash.server.tools.systems import (OUTPUT_LEN, SYSTEMS, add_speculation_ar
 
 VALID_ACCEPT = (6.2, 6.8)
 REFERENCE = "sglang-bf16"
+HOST_BOUND = 1.15  # a cycle whose wall time exceeds its GPU busy time by more than this waited on the host
+PROFILE_STEPS = 8  # scheduler steps profiled per bucket on each timed server, for the GPU busy time per cycle
 
 
 def request_plan(buckets: list[int], timed: int) -> list[dict]:
@@ -69,6 +72,7 @@ def read_stream(lines, start: float, clock=time.perf_counter) -> dict:
         "output_tokens": meta["completion_tokens"],
         "accept_len": meta.get("spec_accept_length"),
         "verify_steps": meta.get("spec_verify_ct"),
+        "rid": meta.get("id"),
     }
 
 
@@ -79,8 +83,22 @@ def time_request(base_url: str, input_ids: list[int]) -> dict:
         return read_stream(resp.iter_lines(), start)
 
 
-def summarize(samples: list[dict], acc_range: tuple[float, float] = VALID_ACCEPT) -> list[dict]:
-    """One row per (system, bucket) from the timed samples, with speedups where the baseline ran."""
+def metered(samples: list[dict], log: str) -> list[dict]:
+    """The samples with the server's cycle meter for each (server/hooks/cycle_meter.py): its loop time and host
+    time per cycle, from the request's own decode steps."""
+    found = {m[1]: cycle_meter.host_ms_per_cycle(m) for m in cycle_meter.PATTERN.finditer(log)}
+    out = []
+    for s in samples:
+        cycles, loop, host = found.get(s.get("rid"), (None, None, None))
+        out.append({**s, "meter_cycles": cycles, "loop_cycle_ms": loop, "host_cycle_ms": host})
+    return out
+
+
+def summarize(samples: list[dict], acc_range: tuple[float, float] = VALID_ACCEPT,
+              gpu_cycle_ms: dict | None = None) -> list[dict]:
+    """One row per (system, bucket) from the timed samples, with speedups where the baseline ran, and where
+    profiled (`gpu_cycle_ms`: system -> bucket as a string, as JSON keeps it -> ms), the GPU busy time per cycle
+    beside the wall time."""
     groups: dict[tuple[str, int], list[dict]] = {}
     for s in samples:
         if not s["warmup"]:
@@ -94,9 +112,14 @@ def summarize(samples: list[dict], acc_range: tuple[float, float] = VALID_ACCEPT
         # A baseline cycle is one decode step; a speculative cycle is one draft + verify step.
         steps = statistics.fmean(s.get("verify_steps") or s["output_tokens"] - 1 for s in group)
         median = statistics.median(lat)
+        cycle = (median - ttft) / steps
+        gpu = (gpu_cycle_ms or {}).get(system, {}).get(str(bucket))
+        hosts = [s["host_cycle_ms"] for s in group if s.get("host_cycle_ms") is not None]
         rows.append({
             "system": system, "bucket": bucket, "median_ms": median, "min_ms": min(lat), "max_ms": max(lat),
-            "ttft_ms": ttft, "accept_len": accept, "cycle_ms": (median - ttft) / steps, "n": len(group),
+            "ttft_ms": ttft, "accept_len": accept, "cycle_ms": cycle, "n": len(group),
+            "gpu_cycle_ms": gpu, "host_cycle_ms": statistics.median(hosts) if hosts else None,
+            "host_bound": None if gpu is None else cycle > HOST_BOUND * gpu,
             "valid": accept is None or acc_range[0] <= accept <= acc_range[1],
         })
     medians = {(r["system"], r["bucket"]): r["median_ms"] for r in rows}
@@ -118,13 +141,16 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 
 def render_table(rows: list[dict], errors: dict[str, str]) -> str:
     """Markdown: a per-bucket detail table, then the scoreboard (median ms per bucket, mean speedups)."""
-    out = ["| system | bucket | median ms | min ms | max ms | TTFT ms | accept len | cycle ms | vs baseline | vs sglang-bf16 |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    out = ["| system | bucket | median ms | min ms | max ms | TTFT ms | accept len | cycle ms | GPU ms / cycle "
+           "| host ms / cycle | vs baseline | vs sglang-bf16 |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         accept = _fmt(r["accept_len"], ".2f") + ("" if r["valid"] else " INVALID")
+        bound = " host-bound" if r.get("host_bound") else ""
         out.append(
             f"| {r['system']} | {r['bucket']} | {r['median_ms']:.1f} | {r['min_ms']:.1f} | {r['max_ms']:.1f} "
-            f"| {r['ttft_ms']:.1f} | {accept} | {r['cycle_ms']:.2f} | {_fmt(r['speedup_vs_baseline'], '.1f', 'x')} "
+            f"| {r['ttft_ms']:.1f} | {accept} | {r['cycle_ms']:.2f}{bound} | {_fmt(r.get('gpu_cycle_ms'), '.2f')} "
+            f"| {_fmt(r.get('host_cycle_ms'), '.2f')} | {_fmt(r['speedup_vs_baseline'], '.1f', 'x')} "
             f"| {_fmt(r['speedup_vs_sglang_bf16'], '.2f', 'x')} |"
         )
     buckets = sorted({r["bucket"] for r in rows})
@@ -210,20 +236,25 @@ def _run_baseline(plan: list[dict], out: Path, progress) -> list[dict]:
 
 def _run_sglang(system: str, plan: list[dict], out: Path, port: int, acc_len: float, progress, flags: list[str],
                 keep, profile_steps: int = 0, prefix_cache: bool = PREFIX_CACHE, profile_with_stack: bool = False,
-                profile_prefill: bool = False) -> None:
-    """Time the plan on one server of `system` and `keep` the samples; then, with `profile_steps`, profile
-    that many cycles per bucket on the same server (`qflash profile`'s tables, written to out/profiles)."""
-    with system_server(system, out / "logs" / f"{system}.log", port, acc_len, flags=flags, prefix_cache=prefix_cache) as server:
+                profile_prefill: bool = False) -> dict[int, float]:
+    """Time the plan on one server of `system` (with the cycle meter) and `keep` the samples; then, with
+    `profile_steps`, profile that many scheduler steps per bucket on the same server (`qflash profile`'s tables,
+    written to out/profiles) and return each bucket's GPU busy time per cycle."""
+    with system_server(system, out / "logs" / f"{system}.log", port, acc_len, env={cycle_meter.ENV: "1"}, flags=flags,
+                       prefix_cache=prefix_cache) as server:
         samples = []
         for req in plan:
             samples.append({"bucket": req["bucket"], "warmup": req["warmup"], **time_request(server.base_url, req["input_ids"])})
             progress.update(1)
-        keep(samples)  # before profiling: a bench stopped while it profiles keeps its timed rows
-        if profile_steps:
-            from qflash.server.tools.profile import profile_buckets
+        time.sleep(1)  # the meter's last line is printed after the response
+        keep(metered(samples, server.log()))  # before profiling: a bench stopped while it profiles keeps its timed rows
+        if not profile_steps:
+            return {}
+        from qflash.server.tools.profile import profile_buckets
 
-            profile_buckets(server, system, out / "profiles", sorted({r["bucket"] for r in plan}), profile_steps, flags,
-                            prefill=profile_prefill, with_stack=profile_with_stack)
+        report = profile_buckets(server, system, out / "profiles", sorted({r["bucket"] for r in plan}), profile_steps,
+                                 flags, prefill=profile_prefill, with_stack=profile_with_stack)
+        return {} if profile_prefill else {str(bucket): summary["gpu_cycle_ms"] for bucket, summary in report.items()}
 
 
 def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc_len: float,
@@ -238,7 +269,7 @@ def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc
         "command": "qflash bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
         "protocol": {"buckets": buckets, "output_len": OUTPUT_LEN, "timed": timed, "warmup": 1,
                      "acc_len": acc_len, "greedy": True, "ignore_eos": True},
-        "qflash_prefix_cache": prefix_cache,
+        "qflash_prefix_cache": prefix_cache, "gpu_cycle_ms": {},
     }
     samples, errors = [], {}
 
@@ -253,8 +284,9 @@ def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc
                 if system == "baseline":
                     keep(system, _run_baseline(plan, out, progress))
                 else:
-                    _run_sglang(system, plan, out, port, acc_len, progress, list(flags), lambda got: keep(system, got),
-                                profile_steps, prefix_cache, profile_with_stack, profile_prefill)
+                    meta["gpu_cycle_ms"][system] = _run_sglang(
+                        system, plan, out, port, acc_len, progress, list(flags), lambda got: keep(system, got),
+                        profile_steps, prefix_cache, profile_with_stack, profile_prefill)
             except (ServerDied, TimeoutError, RuntimeError, requests.RequestException) as exc:
                 errors[system] = str(exc)
                 tqdm.write(f"{system}: FAILED: {exc}")
@@ -265,7 +297,7 @@ def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc
 
 def write_results(out: Path, meta: dict, samples: list[dict], errors: dict[str, str]) -> str:
     """results.json (rows), run.json (meta + raw samples), results.md and latency.png; returns the table."""
-    rows = summarize(samples)
+    rows = summarize(samples, gpu_cycle_ms=meta.get("gpu_cycle_ms"))
     (out / "results.json").write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2))
     (out / "run.json").write_bytes(orjson.dumps({**meta, "errors": errors, "samples": samples}, option=orjson.OPT_INDENT_2))
     host = meta.get("host")
@@ -288,8 +320,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"prompt lengths (default {','.join(map(str, PROMPT_BUCKETS))})")
     p.add_argument("--timed", type=positive_int, default=3, help="timed requests per bucket after 1 warm-up (default 3)")
     add_speculation_args(p)
-    p.add_argument("--profile-steps", type=int, default=0,
-                   help="after timing, profile this many cycles per bucket on each SGLang server, as `qflash profile` does")
+    p.add_argument("--profile-steps", type=int, default=PROFILE_STEPS,
+                   help="after timing, profile this many scheduler steps per bucket on each SGLang server, as `qflash profile` "
+                        f"does, for the GPU busy time per cycle (default {PROFILE_STEPS}; 0: none)")
     p.add_argument("--profile-prefill", action="store_true",
                    help="the profiles record each bucket's prefill and first cycles instead (time to first token)")
     p.add_argument("--profile-with-stack", action="store_true", help="the profiles also record Python call stacks")

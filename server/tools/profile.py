@@ -45,31 +45,41 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # torch profiler chrome
 # Host spans summed per step: the scheduler's own annotations (one loop iteration is recv, get-next-batch, run,
 # process-result), the model runner's forward steps inside run_batch, and the CUDA-graph launch calls.
 HOST_SPANS = r"^scheduler\.|^step\[|^copy_result_to_cpu$|^cudaGraphLaunch$"
-SKIP_CYCLES = 4  # streamed chunks (one per cycle) before profiling starts: prefill and first cycles excluded
+SKIP_CHUNKS = 4  # streamed chunks (one per scheduler step) before profiling starts: prefill and first steps excluded
+# tokens of the profiled request: room for the skipped steps and the recorded ones, a window of cycles each
+PROFILED_LEN = 4 * OUTPUT_LEN
 
 
 def family(kernel_name: str) -> str:
     return next((f for f, pattern in FAMILIES if re.search(pattern, kernel_name, re.I)), "other")
 
 
-def launch_groups(events: list[dict], kernels: list[dict]) -> dict[str, float]:
-    """GPU time (us) by launch: one group per CUDA-graph replay (kernels share its runtime call's correlation id),
-    named by content; kernels launched one at a time are summed as eager."""
+def graph_replays(events: list[dict], kernels: list[dict]) -> tuple[dict[str, list[list[dict]]], list[dict]]:
+    """Kernels by the CUDA-graph replay that launched them (they share its runtime call's correlation id), each
+    replay named by content (the draft graph picks tokens with an argmax, the verify graph runs Gated-DeltaNet),
+    and the kernels launched one at a time."""
     graph_calls = {e["args"]["correlation"] for e in events
                    if e.get("cat") == "cuda_runtime" and "GraphLaunch" in e.get("name", "") and "correlation" in e.get("args", {})}
     replays: dict[int, list[dict]] = {}
-    totals: dict[str, float] = {}
+    eager = []
     for e in kernels:
         corr = e.get("args", {}).get("correlation")
-        if corr in graph_calls:
-            replays.setdefault(corr, []).append(e)
-        else:
-            totals["eager kernels"] = totals.get("eager kernels", 0.0) + e["dur"]
+        (replays.setdefault(corr, []) if corr in graph_calls else eager).append(e)
+    named: dict[str, list[list[dict]]] = {}
     for group in replays.values():
         names = " ".join(e["name"] for e in group)
         label = ("verify graph" if re.search(FAMILIES[6][1], names, re.I)
                  else "draft graph" if re.search(r"argmax", names, re.I) else "other graph")
-        totals[label] = totals.get(label, 0.0) + sum(e["dur"] for e in group)
+        named.setdefault(label, []).append(group)
+    return named, eager
+
+
+def launch_groups(events: list[dict], kernels: list[dict]) -> dict[str, float]:
+    """GPU time (us) by launch: per kind of CUDA-graph replay, and the kernels launched one at a time as eager."""
+    named, eager = graph_replays(events, kernels)
+    totals = {"eager kernels": sum(e["dur"] for e in eager)} if eager else {}
+    for label, groups in named.items():
+        totals[label] = sum(e["dur"] for group in groups for e in group)
     return totals
 
 
@@ -99,8 +109,10 @@ def summarize(trace: dict, steps: int) -> dict:
             name = re.sub(r" bs=\d+", "", e["name"])
             host[name] = host.get(name, 0.0) + e["dur"]
     ms = 1e-3 / steps
+    cycles = len(graph_replays(events, kernels)[0].get("verify graph", ())) or steps  # a window runs several per step
     return {
         "steps": steps, "window_ms": window_us * ms, "gpu_busy_ms": busy_us * ms, "gpu_idle_ms": (window_us - busy_us) * ms,
+        "cycles": cycles, "gpu_cycle_ms": busy_us * 1e-3 / cycles,
         "families": {f: per_family[f] * ms for f in sorted(per_family, key=per_family.get, reverse=True)},
         "launches": {k: v * ms for k, v in sorted(launch_groups(events, kernels).items(), key=lambda kv: -kv[1])},
         "top_other": [(n, us * ms) for n, us in sorted(other.items(), key=lambda kv: -kv[1])[:10]],
@@ -111,7 +123,8 @@ def summarize(trace: dict, steps: int) -> dict:
 def render(summary: dict, title: str) -> str:
     window = summary["window_ms"]
     lines = [title, "", f"Per step (mean of {summary['steps']}): window {window:.3f} ms, GPU busy "
-             f"{summary['gpu_busy_ms']:.3f} ms, GPU idle (host, gaps) {summary['gpu_idle_ms']:.3f} ms.", "",
+             f"{summary['gpu_busy_ms']:.3f} ms, GPU idle (host, gaps) {summary['gpu_idle_ms']:.3f} ms; "
+             f"{summary['cycles']} cycles, GPU busy {summary['gpu_cycle_ms']:.3f} ms per cycle.", "",
              "| kernel family | ms per step | share of window |", "| --- | ---: | ---: |"]
     lines += [f"| {f} | {v:.3f} | {v / window:.0%} |" for f, v in summary["families"].items()]
     lines.append(f"| GPU idle | {summary['gpu_idle_ms']:.3f} | {summary['gpu_idle_ms'] / window:.0%} |")
@@ -141,7 +154,7 @@ def _profile_one(server, system: str, traces: Path, prompt_len: int, steps: int,
     """Warm up at this length, then record `steps` forward steps of a second request: decode cycles from a
     few cycles in, or with `prefill` its first steps (the prefill and what follows); `with_stack` adds the Python
     call stacks (where the host time goes, at a further cost in host time); returns the trace file."""
-    sampling = {"max_new_tokens": OUTPUT_LEN, "temperature": 0.0, "ignore_eos": True}
+    sampling = {"max_new_tokens": PROFILED_LEN, "temperature": 0.0, "ignore_eos": True}
     profile = {"output_dir": str(traces), "num_steps": steps, "activities": ["CPU", "GPU"],
                "profile_prefix": system, "with_stack": with_stack, "record_shapes": False}
     traces.mkdir(parents=True, exist_ok=True)
@@ -153,7 +166,7 @@ def _profile_one(server, system: str, traces: Path, prompt_len: int, steps: int,
             resp.raise_for_status()
             chunks = (line for line in resp.iter_lines() if line.startswith(b"data:"))
             for n, _ in enumerate(chunks):
-                if index and not prefill and n == SKIP_CYCLES:
+                if index and not prefill and n == SKIP_CHUNKS:
                     requests.post(server.base_url + "/start_profile", json=profile, timeout=120).raise_for_status()
     return _wait_for_trace(traces)
 

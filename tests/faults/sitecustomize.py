@@ -5,9 +5,10 @@ QFLASH_FAULTS_FILE (tests/fault_control.py). Python's `site` imports `sitecustom
 start, and SGLang starts its scheduler and detokenizer with multiprocessing spawn (engine.py sets it), i.e.
 fresh interpreters that inherit the environment, so every process of the server loads this module.
 
-Each fault wraps one SGLang function that runs eagerly on the host in every DFLASH cycle (never inside a
-captured CUDA graph, whose work a wrapper could not switch on and off) and changes its arguments while the
-file names that fault. The file is re-read when it changes (one os.stat per call), so one server runs clean,
+Each fault wraps one SGLang (or qflash window) function that runs eagerly on the host in every DFLASH cycle (never
+inside a captured CUDA graph, whose work a wrapper could not switch on and off) and changes its arguments while the
+file names that fault. A few names are switches rather than faults, for a reference or an A/B on one server: the
+window planner held to one cycle per step, the overlap plan stream off or on. The file is re-read when it changes (one os.stat per call), so one server runs clean,
 faulty, then clean again; with the file empty or missing, every call passes through unchanged.
 
 The wrappers go in through SGLang's HookRegistry, as qflash's own (server/hooks). `HookRegistry.register` only
@@ -112,6 +113,24 @@ def drafter_kv_shift(kw: dict) -> dict:
     return kw
 
 
+def window_stale_bonus(kw: dict) -> dict:
+    """Between the cycles of a window (server/window.py) the next block starts from the previous cycle's bonus
+    token instead of the one just verified: the target then verifies, and commits to its KV cache and GDN state,
+    a token it never chose at each later cycle's first position. Caught by test_window_gpu.py::
+    test_the_window_check_catches_a_stale_bonus_token: windowed output != one cycle per step."""
+    kw["bonus_tokens"] = kw["draft_input"].bonus_tokens
+    return kw
+
+
+def window_of(cycles: int):
+    """Not a fault: the window planner allows at most `cycles` per step (1: as SGLang runs, the windows' reference)."""
+    def switch(kw: dict) -> dict:
+        kw["limit"] = min(kw["limit"], cycles)
+        return kw
+
+    return switch
+
+
 WORKER = "sglang.srt.speculative.dflash_worker_v2."
 FOLD = "sglang.kernels.ops.attention.fla.gdn_replayssm_spec_fold.commit_gdn_replayssm_fold_after_verify"
 # target -> {fault: how it changes the call's keyword arguments}; every call site passes them by keyword.
@@ -123,8 +142,16 @@ TARGETS = {
     WORKER + "compute_dflash_correct_drafts_and_bonus": {"accept_off_by_one": accept_off_by_one},
     FOLD: {"gdn_state_wrong_step": gdn_state_wrong_step, "stale_cache_checkpoint": stale_cache_checkpoint},
     WORKER + "DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc": {"drafter_kv_shift": drafter_kv_shift},
+    # qflash's own functions, which qflash hooks nowhere: the window's carry between cycles, its planner
+    "qflash.server.window.carry_to_next_cycle": {"window_stale_bonus": window_stale_bonus},
+    "qflash.server.window.plan_cycles": {"one_cycle_per_step": window_of(1), "window_2": window_of(2),
+                                         "window_4": window_of(4)},
 }
-FAULTS = sorted({name for changes in TARGETS.values() for name in changes})
+# switches that set an SGLang environment variable for the calls of the target that reads it
+ENV_SWITCHES = {"plan_stream_off": ("SGLANG_ENABLE_OVERLAP_PLAN_STREAM", "0"),
+                "plan_stream_on": ("SGLANG_ENABLE_OVERLAP_PLAN_STREAM", "1")}
+ENV_TARGET = "sglang.srt.speculative.dflash_info_v2._get_overlap_plan_stream"
+FAULTS = sorted({name for changes in TARGETS.values() for name in changes} | set(ENV_SWITCHES))
 
 
 def around(changes: dict):
@@ -137,7 +164,24 @@ def around(changes: dict):
     return hook
 
 
-HOOKS = {target: around(changes) for target, changes in TARGETS.items()}
+def around_env(original, *args, **kwargs):
+    """The original, with the environment variable a switch names set while it runs."""
+    switch = ENV_SWITCHES.get(active())
+    if switch is None:
+        return original(*args, **kwargs)
+    name, value = switch
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return original(*args, **kwargs)
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
+HOOKS = {target: around(changes) for target, changes in TARGETS.items()} | {ENV_TARGET: around_env}
 
 
 def register(hook_registry) -> None:
