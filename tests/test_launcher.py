@@ -303,3 +303,29 @@ def test_serve_reports_ready_only_once_the_server_says_qflash_is_in_place(prints
         assert "ready in" not in out
         assert err.strip().splitlines()[-1] == ("qflash: the server started without qflash's SGLang plugin "
                                                 "(is qflash installed in this Python?)")
+
+
+def test_the_window_and_qflash_s_sglang_settings_reach_the_server_environment(monkeypatch):
+    import argparse
+
+    from qflash.server import launcher, window
+    from qflash.server.preset import QFLASH_SERVER_ENV, WINDOW_CYCLES
+
+    p = argparse.ArgumentParser()
+    launcher.add_arguments(p)
+    assert launcher.settings_env(p.parse_args([]))[window.ENV] == str(WINDOW_CYCLES)
+    assert launcher.settings_env(p.parse_args(["--window-cycles", "1"]))[window.ENV] == "1"
+    for bad in ("0", "9"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--window-cycles", bad])
+    monkeypatch.delenv("SGLANG_ENABLE_OVERLAP_PLAN_STREAM", raising=False)
+    assert all(launcher.plugin_env("qflash")[k] == v for k, v in QFLASH_SERVER_ENV.items())
+    assert not any(k in launcher.plugin_env("qflash_text_only") for k in QFLASH_SERVER_ENV)  # stock stays stock
+    monkeypatch.setenv("SGLANG_ENABLE_OVERLAP_PLAN_STREAM", "0")  # a user's own setting wins
+    assert launcher.plugin_env("qflash")["SGLANG_ENABLE_OVERLAP_PLAN_STREAM"] == "0"
+
+
+def test_a_window_length_out_of_range_is_a_one_line_error(cache):
+    result = launch("--window-cycles", "12", "--dry-run", cache=cache)
+    assert result.returncode == 2 and "--window-cycles: '12': choose 1 to 8" in result.stderr
+    assert "Traceback" not in result.stderr
