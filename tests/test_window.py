@@ -217,9 +217,12 @@ def test_a_window_counts_one_verify_per_cycle():
         live.spec_num_correct_drafts += 20 - 1
         return [["tokens"]]
 
+    processor = SimpleNamespace(metrics_reporter=SimpleNamespace(spec_num_forward_ct=0))
     result = SimpleNamespace(**{window.CYCLES: 3})
-    assert multi_cycle._count_each_cycle(resolve, "processor", result, b) == [["tokens"]]
+    assert multi_cycle._count_each_cycle(resolve, processor, result, b) == [["tokens"]]
     assert (live.spec_verify_ct, live.spec_num_correct_drafts) == (13, 50 + 20 - 3)  # 20 tokens in 3 cycles: 17 drafts
     assert (done.spec_verify_ct, done.spec_num_correct_drafts) == (7, 30)
-    multi_cycle._count_each_cycle(resolve, "processor", SimpleNamespace(), b)  # one cycle: SGLang's count
-    assert live.spec_verify_ct == 14
+    # SGLang's reporter then adds one verify per request of the step: 3 per request in all, as 3 cycles ran
+    assert processor.metrics_reporter.spec_num_forward_ct == 2 * 2
+    multi_cycle._count_each_cycle(resolve, processor, SimpleNamespace(), b)  # one cycle: SGLang's count
+    assert live.spec_verify_ct == 14 and processor.metrics_reporter.spec_num_forward_ct == 4

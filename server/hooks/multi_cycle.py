@@ -12,7 +12,8 @@
 - the memory check before a decode step (`get_alloc_reserve_per_decode`) and the request rows of `req_to_token`
   (`get_req_to_token_extra_context_len`, read when the pools are built) grow by the same reserve;
 - a window's result counts as one verify in `_resolve_spec_v2_tokens`: the requests' verify counts (from which
-  `meta_info.spec_accept_length` is computed) and correct-draft counts get the window's other cycles.
+  `meta_info.spec_accept_length` is computed), their correct-draft counts and the verify count behind the server
+  log's accept length get the window's other cycles.
 Retire when SGLang's speculative worker runs several cycles per step (its spec-v2 DFLASH work removes the host
 syncs between draft and verify, but 0.5.17 has no multi-cycle step).
 """
@@ -84,6 +85,7 @@ def _count_each_cycle(original, self, result, batch):
             if not (req.is_retracted or req.finished()):
                 req.spec_verify_ct += extra
                 req.spec_num_correct_drafts -= extra
+        self.metrics_reporter.spec_num_forward_ct += extra * len(batch.reqs)  # the log's accept length, per cycle
     return tokens
 
 
