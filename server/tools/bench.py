@@ -236,7 +236,7 @@ def _run_baseline(plan: list[dict], out: Path, progress) -> list[dict]:
 
 def _run_sglang(system: str, plan: list[dict], out: Path, port: int, acc_len: float, progress, flags: list[str],
                 keep, profile_steps: int = 0, prefix_cache: bool = PREFIX_CACHE, profile_with_stack: bool = False,
-                profile_prefill: bool = False) -> dict[int, float]:
+                profile_prefill: bool = False) -> dict[str, float]:
     """Time the plan on one server of `system` (with the cycle meter) and `keep` the samples; then, with
     `profile_steps`, profile that many scheduler steps per bucket on the same server (`qflash profile`'s tables,
     written to out/profiles) and return each bucket's GPU busy time per cycle."""
