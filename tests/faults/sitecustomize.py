@@ -8,8 +8,9 @@ fresh interpreters that inherit the environment, so every process of the server 
 Each fault wraps one SGLang (or qflash window) function that runs eagerly on the host in every DFLASH cycle (never
 inside a captured CUDA graph, whose work a wrapper could not switch on and off) and changes its arguments while the
 file names that fault. A few names are switches rather than faults, for a reference or an A/B on one server: the
-window planner held to one cycle per step, the overlap plan stream off or on. The file is re-read when it changes (one os.stat per call), so one server runs clean,
-faulty, then clean again; with the file empty or missing, every call passes through unchanged.
+window planner held to one cycle per step, the overlap plan stream off or on. The file is re-read when it changes
+(one os.stat per call), so one server runs clean, faulty, then clean again; with the file empty or missing, every
+call passes through unchanged.
 
 The wrappers go in through SGLang's HookRegistry, as qflash's own (server/hooks). `HookRegistry.register` only
 records a dotted name; the hooks are applied with qflash's by the first `apply_hooks` (qflash's `install`, or
