@@ -117,12 +117,50 @@ def test_table_has_the_scoreboard_and_failures(rows):
 def test_samples_take_their_requests_cycle_meter_lines():
     from qflash.server.hooks.cycle_meter import LINE
 
-    log = "\n".join(["INFO something", LINE.format(rid="a1", steps=10, cycles=40, loop=180.0, wait=120.0),
-                     LINE.format(rid="b2", steps=39, cycles=39, loop=273.0, wait=39.0)])
+    log = "\n".join(["INFO something", LINE.format(rid="a1", steps=10, cycles=40, loop=180.0, wait=120.0,
+                                                    stages="run_batch:40.000,graph_launch:20.000"),
+                     LINE.format(rid="b2", steps=39, cycles=39, loop=273.0, wait=39.0, stages="")])
     got = bench.metered([{"rid": "b2", "x": 1}, {"rid": "a1"}, {"rid": "c3"}, {}], log)
-    assert got[0] == {"rid": "b2", "x": 1, "meter_cycles": 39, "loop_cycle_ms": pytest.approx(7.0), "host_cycle_ms": pytest.approx(6.0)}
+    assert got[0] == {"rid": "b2", "x": 1, "meter_cycles": 39, "loop_cycle_ms": pytest.approx(7.0),
+                      "host_cycle_ms": pytest.approx(6.0), "host_stages_ms": {}}
     assert (got[1]["meter_cycles"], got[1]["loop_cycle_ms"], got[1]["host_cycle_ms"]) == (40, 4.5, 1.5)
+    assert got[1]["host_stages_ms"] == {"run_batch": pytest.approx(1.0), "graph_launch": pytest.approx(0.5)}
     assert got[2]["host_cycle_ms"] is None and got[3]["host_cycle_ms"] is None  # no line: not metered
+
+
+def test_the_cycle_meter_sums_a_requests_steps_and_their_stages_from_its_second_step():
+    from types import SimpleNamespace
+
+    from qflash.server.hooks.cycle_meter import PATTERN, Meter, host_ms_per_cycle
+
+    done = [False]
+    req = SimpleNamespace(rid="r1", finished=lambda: done[0])
+    meter = Meter()
+    meter.add("run_batch", 0.001)
+    assert meter.step([req], 4, start=0.0, waited=0.0) == []  # its first step: not counted, nor its stages
+    meter.add("run_batch", 0.002)
+    assert meter.step([req], 4, start=0.010, waited=0.004) == []
+    done[0] = True
+    meter.add("run_batch", 0.003)
+    meter.add("graph_launch", 0.001)
+    [line] = meter.step([req], 4, start=0.030, waited=0.001)
+    cycles, loop, host, stages = host_ms_per_cycle(PATTERN.search(line))
+    assert (cycles, loop, host) == (8, pytest.approx(30 / 8), pytest.approx(25 / 8))
+    assert stages == {"run_batch": pytest.approx(5 / 8), "graph_launch": pytest.approx(1 / 8)}
+
+
+def test_host_time_by_stage_is_the_median_per_stage_with_what_the_stages_leave_out():
+    def sample(host, run_batch, draft):
+        return {"system": "qflash", "bucket": 64, "warmup": False, "latency_ms": 290.0, "ttft_ms": 50.0,
+                "output_tokens": 256, "accept_len": 6.5, "verify_steps": 40, "host_cycle_ms": host,
+                "host_stages_ms": {"run_batch": run_batch, "draft_forward": draft, "graph_launch": 0.3}}
+
+    q = row(bench.summarize([sample(3.0, 2.0, 1.0), sample(4.0, 2.5, 1.0), sample(5.0, 3.5, 1.5)]), "qflash", 64)
+    assert q["host_stages_ms"] == {"run_batch": 2.5, "draft_forward": 1.0, "graph_launch": 0.3,
+                                   "scheduler": pytest.approx(1.5), "worker_rest": pytest.approx(1.5)}
+    table = bench.render_table([q], {})
+    assert "| qflash | 64 | 4.00 | 2.50 | 1.00 | 0.30 | 1.50 | 1.50 |" in table
+    assert "Host ms per cycle by stage" not in bench.render_table([{**q, "host_stages_ms": None}], {})
 
 
 def test_rows_put_the_gpu_time_per_cycle_beside_the_wall_time_and_mark_host_bound_ones():

@@ -56,6 +56,7 @@ KV = WORKER + "DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc"
 CARRY = "qflash.server.window.carry_to_next_cycle"
 PLAN = "qflash.server.window.plan_cycles"
 PLAN_STREAM = "sglang.srt.speculative.dflash_info_v2._get_overlap_plan_stream"
+GLUE = "qflash.graphs.glue.GlueGraphs.run"
 
 CAND = torch.tensor([[7, 1, 2, 3, 4], [7, 1, 2, 3, 4], [7, 1, 2, 3, 4]])  # block of K=5: current token + 4 drafts
 TOP = torch.tensor([[1, 2, 9, 9, 5], [1, 2, 3, 4, 5], [8, 8, 8, 8, 8]])  # target choices: 2, 4 (all), 0 drafts match
@@ -83,8 +84,8 @@ def sample_kwargs(target: str) -> dict:
 
 
 def test_the_plugin_wraps_the_targets_this_test_knows():
-    assert set(plugin().HOOKS) == {TRITON_ACCEPT, EAGER_ACCEPT, FOLD, KV, CARRY, PLAN, PLAN_STREAM}
-    assert plugin().FAULTS == ["accept_off_by_one", "drafter_kv_shift", "gdn_state_wrong_step", "one_cycle_per_step",
+    assert set(plugin().HOOKS) == {TRITON_ACCEPT, EAGER_ACCEPT, FOLD, KV, CARRY, PLAN, PLAN_STREAM, GLUE}
+    assert plugin().FAULTS == ["accept_off_by_one", "drafter_kv_shift", "gdn_state_wrong_step", "glue_eager", "one_cycle_per_step",
                                "plan_stream_off", "plan_stream_on", "stale_cache_checkpoint", "window_2", "window_4",
                                "window_stale_bonus"]
 
@@ -216,9 +217,14 @@ from sglang.kernels.ops.mamba import mamba_state_scatter_triton as scatter
 from sglang.srt.speculative import dflash_worker_v2 as worker
 
 
+def wraps(fn, hook):  # whether hook is in the chain of HookRegistry wrappers fn heads (each closure holds the next)
+    cells = [c.cell_contents for c in getattr(fn, "__closure__", None) or ()]
+    return any(c is hook for c in cells) or any(wraps(c, hook) for c in cells if callable(c) and c is not fn)
+
+
 def carries(target, hook):
     owner, _, attr = target.rpartition(".")
-    return any(c.cell_contents is hook for c in getattr(pkgutil.resolve_name(owner), attr).__closure__ or ())
+    return wraps(getattr(pkgutil.resolve_name(owner), attr), hook)
 
 
 out = {"faults": {t: carries(t, hook) for t, hook in faults.HOOKS.items()},
@@ -298,10 +304,22 @@ def plan_stream():
         torch.get_device_module = real
 
 
+from qflash.graphs.glue import GlueGraphs
+
+
+def glue():
+    step = GlueGraphs("probe")
+    step.run(key="a layout", fn=lambda: None)
+    return sorted(step.seen)
+
+
+captured, out["drops"] = GlueGraphs("captured"), []
 for fault in ["", *faults.FAULTS, ""]:
+    captured.graphs["a layout"] = "a graph"
     Path(os.environ["QFLASH_FAULTS_FILE"]).write_text(fault)
     out["runs"].append([fault, {"accept": accept(), "commit": commit(), "kv": append(), "carry": carry(), "plan": plan(),
-                                "plan_stream": plan_stream()}])
+                                "plan_stream": plan_stream(), "glue": glue()}])
+    out["drops"].append(not captured.graphs)
 print(json.dumps(out))
 """
 
@@ -313,6 +331,7 @@ CLEAN = {
     "carry": ["just verified", "new lengths", "DECODE"],
     "plan": 4,
     "plan_stream": "a stream",
+    "glue": ["a layout"],
 }
 FAULTY = {  # what each fault changes of CLEAN
     "accept_off_by_one": {"accept": {"eager": [[3, 4, 1], [9, 5, 8]],
@@ -327,6 +346,7 @@ FAULTY = {  # what each fault changes of CLEAN
     "window_4": {},
     "plan_stream_off": {"plan_stream": None},
     "plan_stream_on": {},
+    "glue_eager": {"glue": []},
 }
 
 
@@ -352,6 +372,10 @@ def test_a_server_process_switches_each_fault_on_and_off_at_run_time(server_proc
     assert runs[0][1] == CLEAN and runs[-1][1] == CLEAN
     for fault, got in runs[1:-1]:
         assert got == {**CLEAN, **FAULTY[fault]}, fault
+
+
+def test_a_change_of_fault_drops_the_glue_graphs_that_hold_the_calls_as_they_ran(server_process):
+    assert server_process["drops"] == [False] + [True] * (len(server_process["runs"]) - 1)
 
 
 FAKE_REGISTRY = """

@@ -64,14 +64,17 @@ def test_kernels_are_grouped_by_the_graph_replay_that_launched_them():
 
 
 def test_the_gpu_time_per_cycle_counts_the_verify_graphs_a_step_replays():
-    """A window runs several cycles per scheduler step: each replays the verify graph once."""
-    events = [runtime("cudaGraphLaunch", c) for c in (1, 2, 3, 4)]
-    kernels = [kernel("_w8a16_argmax_kernel", 0, 100, corr=1), kernel("fused_recurrent_gated_delta_rule_fwd_kernel", 100, 300, corr=2),
-               kernel("_w8a16_argmax_kernel", 400, 100, corr=3), kernel("fused_recurrent_gated_delta_rule_fwd_kernel", 500, 300, corr=4),
-               kernel("_pack_cycle_kernel", 800, 10)]
+    """A window runs several cycles per scheduler step: each replays the verify graph once (and the glue's graphs,
+    one of which runs Gated-DeltaNet's commit without the target's GEMMs)."""
+    events = [runtime("cudaGraphLaunch", c) for c in (1, 2, 3, 4, 5)]
+    kernels = [kernel("_w8a16_argmax_kernel", 0, 100, corr=1), kernel("fused_recurrent_gated_delta_rule_fwd_kernel", 100, 200, corr=2),
+               kernel("_w8a8_gemm_kernel", 300, 100, corr=2), kernel("_gdn_fold_kernel", 400, 10, corr=5),
+               kernel("_w8a16_argmax_kernel", 410, 90, corr=3), kernel("fused_recurrent_gated_delta_rule_fwd_kernel", 500, 200, corr=4),
+               kernel("_w8a8_gemm_kernel", 700, 100, corr=4), kernel("_pack_cycle_kernel", 800, 10)]
     s = summarize({"traceEvents": events + kernels}, steps=1)
     assert s["cycles"] == 2 and s["gpu_cycle_ms"] == pytest.approx(0.405)
     assert "2 cycles, GPU busy 0.405 ms per cycle" in render(s, "title")
+    assert s["launches"]["other graph"] == pytest.approx(0.01)
     eager = summarize({"traceEvents": [kernel("_w8a8_gemm_kernel", 0, 100)]}, steps=4)  # no graphs: a cycle a step
     assert eager["cycles"] == 4 and eager["gpu_cycle_ms"] == pytest.approx(0.025)
 

@@ -85,13 +85,30 @@ def time_request(base_url: str, input_ids: list[int]) -> dict:
 
 def metered(samples: list[dict], log: str) -> list[dict]:
     """The samples with the server's cycle meter for each (server/hooks/cycle_meter.py): its loop time and host
-    time per cycle, from the request's own decode steps."""
+    time per cycle, and that host time by stage, from the request's own decode steps."""
     found = {m[1]: cycle_meter.host_ms_per_cycle(m) for m in cycle_meter.PATTERN.finditer(log)}
     out = []
     for s in samples:
-        cycles, loop, host = found.get(s.get("rid"), (None, None, None))
-        out.append({**s, "meter_cycles": cycles, "loop_cycle_ms": loop, "host_cycle_ms": host})
+        cycles, loop, host, stages = found.get(s.get("rid"), (None, None, None, None))
+        out.append({**s, "meter_cycles": cycles, "loop_cycle_ms": loop, "host_cycle_ms": host, "host_stages_ms": stages})
     return out
+
+
+def host_stages(group: list[dict]) -> dict[str, float] | None:
+    """Median host ms per cycle of each stage over a group's metered samples, with what the stages leave out:
+    `scheduler`, the loop's host time outside `run_batch`, and `worker_rest`, `run_batch`'s outside the model
+    forwards and the worker calls the meter times (cycle_meter.STAGES)."""
+    metered_samples = [s for s in group if s.get("host_stages_ms")]
+    if not metered_samples:
+        return None
+    names = list(dict.fromkeys(name for s in metered_samples for name in s["host_stages_ms"]))
+    medians = {name: statistics.median(s["host_stages_ms"].get(name, 0.0) for s in metered_samples) for name in names}
+    if "run_batch" in medians:
+        medians["scheduler"] = statistics.median(s["host_cycle_ms"] - s["host_stages_ms"].get("run_batch", 0.0)
+                                                 for s in metered_samples)
+        inside = [n for n in ("draft_forward", "verify_forward", "verify_prepare", "gdn_commit", "drafter_kv") if n in medians]
+        medians["worker_rest"] = medians["run_batch"] - sum(medians[n] for n in inside)
+    return medians
 
 
 def summarize(samples: list[dict], acc_range: tuple[float, float] = VALID_ACCEPT,
@@ -119,6 +136,7 @@ def summarize(samples: list[dict], acc_range: tuple[float, float] = VALID_ACCEPT
             "system": system, "bucket": bucket, "median_ms": median, "min_ms": min(lat), "max_ms": max(lat),
             "ttft_ms": ttft, "accept_len": accept, "cycle_ms": cycle, "n": len(group),
             "gpu_cycle_ms": gpu, "host_cycle_ms": statistics.median(hosts) if hosts else None,
+            "host_stages_ms": host_stages(group),
             "host_bound": None if gpu is None else cycle > HOST_BOUND * gpu,
             "valid": accept is None or acc_range[0] <= accept <= acc_range[1],
         })
@@ -166,7 +184,23 @@ def render_table(rows: list[dict], errors: dict[str, str]) -> str:
             + f" | {_fmt(_mean(r['speedup_vs_sglang_bf16'] for r in mine.values()), '.2f', 'x')} |"
         )
     out += [f"| {system} | failed: {error} |" for system, error in errors.items()]
-    return "\n".join(out) + "\n"
+    return "\n".join(out + render_host_stages(rows)) + "\n"
+
+
+def render_host_stages(rows: list[dict]) -> list[str]:
+    """Markdown lines: the host ms per cycle by stage for the rows the cycle meter split (none: no lines)."""
+    rows = [r for r in rows if r.get("host_stages_ms")]
+    names = list(dict.fromkeys(name for r in rows for name in r["host_stages_ms"]))
+    if not rows:
+        return []
+    out = ["", "Host ms per cycle by stage (server/hooks/cycle_meter.py; `run_batch` holds the worker's stages, the "
+               "forwards hold their graph launches; where the GPU is behind, a launch can block inside `run_batch`, "
+               "which `scheduler` then reads below zero):", "",
+           "| system | bucket | host | " + " | ".join(names) + " |", "| --- | ---: | ---: | " + " | ".join("---:" for _ in names) + " |"]
+    for r in rows:
+        cells = [_fmt(r["host_stages_ms"].get(name), ".2f") for name in names]
+        out.append(f"| {r['system']} | {r['bucket']} | {_fmt(r.get('host_cycle_ms'), '.2f')} | " + " | ".join(cells) + " |")
+    return out
 
 
 def render_chart(rows: list[dict], path: Path) -> None:

@@ -41,6 +41,7 @@ FAMILIES = [
 ]
 
 
+GEMMS = "|".join(pattern for name, pattern in FAMILIES if "GEMM" in name)
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # torch profiler chrome-trace categories of GPU work
 # Host spans summed per step: the scheduler's own annotations (one loop iteration is recv, get-next-batch, run,
 # process-result), the model runner's forward steps inside run_batch, and the CUDA-graph launch calls.
@@ -56,8 +57,8 @@ def family(kernel_name: str) -> str:
 
 def graph_replays(events: list[dict], kernels: list[dict]) -> tuple[dict[str, list[list[dict]]], list[dict]]:
     """Kernels by the CUDA-graph replay that launched them (they share its runtime call's correlation id), each
-    replay named by content (the draft graph picks tokens with an argmax, the verify graph runs Gated-DeltaNet),
-    and the kernels launched one at a time."""
+    replay named by content (the draft graph picks tokens with an argmax, the verify graph runs the target's GEMMs
+    and Gated-DeltaNet; the glue's graphs, graphs/glue.py, one or the other), and the kernels launched one at a time."""
     graph_calls = {e["args"]["correlation"] for e in events
                    if e.get("cat") == "cuda_runtime" and "GraphLaunch" in e.get("name", "") and "correlation" in e.get("args", {})}
     replays: dict[int, list[dict]] = {}
@@ -68,8 +69,8 @@ def graph_replays(events: list[dict], kernels: list[dict]) -> tuple[dict[str, li
     named: dict[str, list[list[dict]]] = {}
     for group in replays.values():
         names = " ".join(e["name"] for e in group)
-        label = ("verify graph" if re.search(FAMILIES[6][1], names, re.I)
-                 else "draft graph" if re.search(r"argmax", names, re.I) else "other graph")
+        target_body = re.search(FAMILIES[6][1], names, re.I) and re.search(GEMMS, names, re.I)
+        label = ("verify graph" if target_body else "draft graph" if re.search(r"argmax", names, re.I) else "other graph")
         named.setdefault(label, []).append(group)
     return named, eager
 

@@ -5,10 +5,12 @@ QFLASH_FAULTS_FILE (tests/fault_control.py). Python's `site` imports `sitecustom
 start, and SGLang starts its scheduler and detokenizer with multiprocessing spawn (engine.py sets it), i.e.
 fresh interpreters that inherit the environment, so every process of the server loads this module.
 
-Each fault wraps one SGLang (or qflash window) function that runs eagerly on the host in every DFLASH cycle (never
-inside a captured CUDA graph, whose work a wrapper could not switch on and off) and changes its arguments while the
-file names that fault. A few names are switches rather than faults, for a reference or an A/B on one server: the
-window planner held to one cycle per step, the overlap plan stream off or on. The file is re-read when it changes
+Each fault wraps one SGLang (or qflash window) function that runs on the host in every DFLASH cycle (never inside
+a model runner's captured forward, whose work a wrapper could not switch on and off) and changes its arguments
+while the file names that fault; where qflash's glue graphs (graphs/glue.py) hold such a call, a change of the
+named fault drops them, so they are captured again as the call now runs. A few names are switches rather than
+faults, for a reference or an A/B on one server: the window planner held to one cycle per step, the overlap plan
+stream off or on, the glue eager. The file is re-read when it changes
 (one os.stat per call), so one server runs clean, faulty, then clean again; with the file empty or missing, every
 call passes through unchanged.
 
@@ -43,10 +45,21 @@ def active() -> str:
     if key != _seen[0]:
         try:
             with open(path) as f:
-                _seen = (key, f.read().strip())
+                named = f.read().strip()
         except OSError:
             return ""
+        if named != _seen[1]:
+            _drop_glue_graphs()
+        _seen = (key, named)
     return _seen[1]
+
+
+def _drop_glue_graphs() -> None:
+    """qflash replays some of a cycle's glue as CUDA graphs (graphs/glue.py), which hold the Python a fault changed
+    as it was when they were captured: a new fault drops them, so they are captured again with it (or without)."""
+    glue = sys.modules.get("qflash.graphs.glue")
+    if glue is not None:
+        glue.drop_all()
 
 
 def _first_rejection_matched(candidates, target):
@@ -123,6 +136,12 @@ def window_stale_bonus(kw: dict) -> dict:
     return kw
 
 
+def glue_eager(kw: dict) -> dict:
+    """Not a fault: the cycle's glue runs eagerly, as SGLang runs it (graphs/glue.py), for an A/B of its graphs."""
+    kw["key"] = None
+    return kw
+
+
 def window_of(cycles: int):
     """Not a fault: the window planner allows at most `cycles` per step (1: as SGLang runs, the windows' reference)."""
     def switch(kw: dict) -> dict:
@@ -137,7 +156,7 @@ FOLD = "sglang.kernels.ops.attention.fla.gdn_replayssm_spec_fold.commit_gdn_repl
 # target -> {fault: how it changes the call's keyword arguments}; every call site passes them by keyword.
 # All are called from DFlashWorkerV2.forward_batch_generation's own Python, after the target's forward (a CUDA
 # graph replay: the verify's, or prefill's piecewise one) has returned and outside the draft forward (the drafter's
-# graph); none is reached from a model runner's forward, so none is captured.
+# graph); none is reached from a model runner's forward. The fold runs inside qflash's GDN-commit graph.
 TARGETS = {
     WORKER + "_compute_dflash_accept_bonus_triton_unchecked": {"accept_off_by_one": accept_off_by_one},
     WORKER + "compute_dflash_correct_drafts_and_bonus": {"accept_off_by_one": accept_off_by_one},
@@ -147,6 +166,7 @@ TARGETS = {
     "qflash.server.window.carry_to_next_cycle": {"window_stale_bonus": window_stale_bonus},
     "qflash.server.window.plan_cycles": {"one_cycle_per_step": window_of(1), "window_2": window_of(2),
                                          "window_4": window_of(4)},
+    "qflash.graphs.glue.GlueGraphs.run": {"glue_eager": glue_eager},
 }
 # switches that set an SGLang environment variable for the calls of the target that reads it
 ENV_SWITCHES = {"plan_stream_off": ("SGLANG_ENABLE_OVERLAP_PLAN_STREAM", "0"),
