@@ -33,13 +33,15 @@ class GlueGraphs:
         graph = self.graphs.get(key)
         if graph is not None:
             graph.replay()
-        elif key is None or self.broken or len(self.graphs) >= MAX_GRAPHS or key not in self.seen:
-            if key is not None and not self.broken:
-                self.seen = self.seen if len(self.seen) < MAX_SEEN else set()
-                self.seen.add(key)
+        elif key is None or self.broken or len(self.graphs) >= MAX_GRAPHS:
             fn()
-        else:
+        elif key in self.seen:
             self._capture(key, fn)
+        else:
+            if len(self.seen) >= MAX_SEEN:
+                self.seen.clear()
+            self.seen.add(key)
+            fn()
 
     def _capture(self, key, fn) -> None:
         import torch

@@ -27,17 +27,17 @@ LINE = "qflash cycle meter: rid={rid} steps={steps} cycles={cycles} loop_ms={loo
 PATTERN = re.compile(r"qflash cycle meter: rid=(\S+) steps=(\d+) cycles=(\d+) loop_ms=([\d.]+) wait_ms=([\d.]+)"
                      r"(?: stages=(\S*))?")
 WORKER = "sglang.srt.speculative.dflash_worker_v2.DFlashWorkerV2."
-# stage -> the SGLang call whose host time it is (the model forwards: ModelRunner.forward, split by runner)
+MODEL_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"  # a stage per runner, FORWARDS
+FORWARDS = ("draft_forward", "verify_forward")
+# stage -> the SGLang call whose host time it is
 STAGES = {
     "run_batch": "sglang.srt.managers.scheduler.Scheduler.run_batch",
-    "draft_forward": None,
-    "verify_forward": None,
     "graph_launch": "sglang.srt.model_executor.runner_backend.full_cuda_graph_backend.FullCudaGraphBackend.replay",
     "verify_prepare": "sglang.srt.speculative.dflash_info.DFlashVerifyInput.prepare_for_verify",
     "gdn_commit": WORKER + "_update_target_mamba_state_after_verify",
     "drafter_kv": WORKER + "_append_target_hidden_to_draft_kv_by_loc",
 }
-MODEL_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+IN_RUN_BATCH = (*FORWARDS, "verify_prepare", "gdn_commit", "drafter_kv")  # inside run_batch, none inside another
 
 
 def enabled() -> bool:
@@ -98,23 +98,20 @@ def _meter_decode_step(original, self, batch, result):
     return out
 
 
-def _timed(stage: str):
+def _timed(stage):
+    """An AROUND hook adding the call's host time to `stage`: a name, or a function of the call's first argument."""
     def around(original, *args, **kwargs):
         start = time.perf_counter()
         try:
             return original(*args, **kwargs)
         finally:
-            METER.add(stage, time.perf_counter() - start)
+            METER.add(stage(args[0]) if callable(stage) else stage, time.perf_counter() - start)
 
     return around
 
 
-def _timed_model_forward(original, self, *args, **kwargs):
-    start = time.perf_counter()
-    try:
-        return original(self, *args, **kwargs)
-    finally:
-        METER.add("draft_forward" if self.is_draft_worker else "verify_forward", time.perf_counter() - start)
+def _forward_stage(runner) -> str:
+    return FORWARDS[0] if runner.is_draft_worker else FORWARDS[1]
 
 
 def host_ms_per_cycle(line_match) -> tuple[int, float, float, dict[str, float]]:
@@ -127,6 +124,6 @@ def host_ms_per_cycle(line_match) -> tuple[int, float, float, dict[str, float]]:
 CHANGES = [
     Hook("sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor.process_batch_result_decode",
          _meter_decode_step, "AROUND"),
-    Hook(MODEL_FORWARD, _timed_model_forward, "AROUND"),
-    *(Hook(symbol, _timed(stage), "AROUND") for stage, symbol in STAGES.items() if symbol),
+    Hook(MODEL_FORWARD, _timed(_forward_stage), "AROUND"),
+    *(Hook(symbol, _timed(stage), "AROUND") for stage, symbol in STAGES.items()),
 ]

@@ -97,7 +97,7 @@ def metered(samples: list[dict], log: str) -> list[dict]:
 def host_stages(group: list[dict]) -> dict[str, float] | None:
     """Median host ms per cycle of each stage over a group's metered samples, with what the stages leave out:
     `scheduler`, the loop's host time outside `run_batch`, and `worker_rest`, `run_batch`'s outside the model
-    forwards and the worker calls the meter times (cycle_meter.STAGES)."""
+    forwards and the worker calls the meter times (cycle_meter.IN_RUN_BATCH)."""
     metered_samples = [s for s in group if s.get("host_stages_ms")]
     if not metered_samples:
         return None
@@ -106,8 +106,7 @@ def host_stages(group: list[dict]) -> dict[str, float] | None:
     if "run_batch" in medians:
         medians["scheduler"] = statistics.median(s["host_cycle_ms"] - s["host_stages_ms"].get("run_batch", 0.0)
                                                  for s in metered_samples)
-        inside = [n for n in ("draft_forward", "verify_forward", "verify_prepare", "gdn_commit", "drafter_kv") if n in medians]
-        medians["worker_rest"] = medians["run_batch"] - sum(medians[n] for n in inside)
+        medians["worker_rest"] = medians["run_batch"] - sum(medians.get(n, 0.0) for n in cycle_meter.IN_RUN_BATCH)
     return medians
 
 
@@ -190,9 +189,9 @@ def render_table(rows: list[dict], errors: dict[str, str]) -> str:
 def render_host_stages(rows: list[dict]) -> list[str]:
     """Markdown lines: the host ms per cycle by stage for the rows the cycle meter split (none: no lines)."""
     rows = [r for r in rows if r.get("host_stages_ms")]
-    names = list(dict.fromkeys(name for r in rows for name in r["host_stages_ms"]))
     if not rows:
         return []
+    names = list(dict.fromkeys(name for r in rows for name in r["host_stages_ms"]))
     out = ["", "Host ms per cycle by stage (server/hooks/cycle_meter.py; `run_batch` holds the worker's stages, the "
                "forwards hold their graph launches; where the GPU is behind, a launch can block inside `run_batch`, "
                "which `scheduler` then reads below zero):", "",
