@@ -57,6 +57,7 @@ CARRY = "qflash.server.window.carry_to_next_cycle"
 PLAN = "qflash.server.window.plan_cycles"
 PLAN_STREAM = "sglang.srt.speculative.dflash_info_v2._get_overlap_plan_stream"
 GLUE = "qflash.graphs.glue.GlueGraphs.run"
+CYCLE = "qflash.server.hooks.cycle_graphs.run_cycle"
 
 CAND = torch.tensor([[7, 1, 2, 3, 4], [7, 1, 2, 3, 4], [7, 1, 2, 3, 4]])  # block of K=5: current token + 4 drafts
 TOP = torch.tensor([[1, 2, 9, 9, 5], [1, 2, 3, 4, 5], [8, 8, 8, 8, 8]])  # target choices: 2, 4 (all), 0 drafts match
@@ -84,8 +85,9 @@ def sample_kwargs(target: str) -> dict:
 
 
 def test_the_plugin_wraps_the_targets_this_test_knows():
-    assert set(plugin().HOOKS) == {TRITON_ACCEPT, EAGER_ACCEPT, FOLD, KV, CARRY, PLAN, PLAN_STREAM, GLUE}
-    assert plugin().FAULTS == ["accept_off_by_one", "drafter_kv_shift", "gdn_state_wrong_step", "glue_eager", "one_cycle_per_step",
+    assert set(plugin().HOOKS) == {TRITON_ACCEPT, EAGER_ACCEPT, FOLD, KV, CARRY, PLAN, PLAN_STREAM, GLUE, CYCLE}
+    assert plugin().FAULTS == ["accept_off_by_one", "cycle_eager", "drafter_kv_shift", "gdn_state_wrong_step", "glue_eager",
+                               "one_cycle_per_step",
                                "plan_stream_off", "plan_stream_on", "stale_cache_checkpoint", "window_2", "window_4",
                                "window_stale_bonus"]
 
@@ -313,12 +315,30 @@ def glue():
     return sorted(step.seen)
 
 
+from qflash.server.hooks import cycle_graphs
+
+
+class Batch:  # whether run_cycle asked if the batch may be graphed (it does not when told to run eagerly)
+    asked = False
+
+    @property
+    def has_grammar(self):
+        Batch.asked = True
+        return True  # a grammar batch: run as SGLang runs it, graphed or not
+
+
+def cycle():
+    Batch.asked = False
+    cycle_graphs.run_cycle(lambda worker, batch, **kw: None, None, Batch())
+    return "graphed" if Batch.asked else "eager"
+
+
 captured, out["drops"] = GlueGraphs("captured"), []
 for fault in ["", *faults.FAULTS, ""]:
     captured.graphs["a layout"] = "a graph"
     Path(os.environ["QFLASH_FAULTS_FILE"]).write_text(fault)
     out["runs"].append([fault, {"accept": accept(), "commit": commit(), "kv": append(), "carry": carry(), "plan": plan(),
-                                "plan_stream": plan_stream(), "glue": glue()}])
+                                "plan_stream": plan_stream(), "glue": glue(), "cycle": cycle()}])
     out["drops"].append(not captured.graphs)
 print(json.dumps(out))
 """
@@ -332,6 +352,7 @@ CLEAN = {
     "plan": 4,
     "plan_stream": "a stream",
     "glue": ["a layout"],
+    "cycle": "graphed",
 }
 FAULTY = {  # what each fault changes of CLEAN
     "accept_off_by_one": {"accept": {"eager": [[3, 4, 1], [9, 5, 8]],
@@ -347,6 +368,7 @@ FAULTY = {  # what each fault changes of CLEAN
     "plan_stream_off": {"plan_stream": None},
     "plan_stream_on": {},
     "glue_eager": {"glue": []},
+    "cycle_eager": {"cycle": "eager"},
 }
 
 

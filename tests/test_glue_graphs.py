@@ -1,7 +1,8 @@
-"""The cycle's glue as CUDA graphs (graphs/glue.py, server/hooks/glue_graphs.py), on the CPU with a stand-in graph
-that runs the captured function when it is captured and counts replays: when a step runs eagerly, is captured or
-replays, and what its keys hold. The real capture and replay are checked on the H200, where the window and
-losslessness tests run through them (tests/test_window_gpu.py, tests/test_gpu_server.py)."""
+"""The cycle's glue and a window's whole cycles as CUDA graphs (graphs/glue.py, server/hooks/glue_graphs.py,
+server/hooks/cycle_graphs.py), on the CPU with a stand-in graph that runs the captured function when it is captured
+and counts replays: when a step runs eagerly, is captured or replays, what it returns, and what its keys hold. The
+real capture and replay are checked on the H200 (tests/test_glue_graphs_gpu.py), where the window and losslessness
+tests run through them too (tests/test_window_gpu.py, tests/test_quantized_server_gpu.py)."""
 
 from types import SimpleNamespace
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from qflash.graphs import glue
-from qflash.server.hooks import glue_graphs
+from qflash.server.hooks import cycle_graphs, glue_graphs
 
 
 class StandInGraph:
@@ -43,9 +44,48 @@ def test_a_layout_runs_eagerly_first_is_captured_second_and_replays_after():
     for _ in range(4):
         step.run(key="bs 1", fn=lambda: calls.append("bs 1"))
     assert calls == ["bs 1", "bs 1"]  # eager, then inside the capture
-    assert step.graphs["bs 1"].replays == 3  # after its capture, and twice more
+    assert step.graphs["bs 1"][0].replays == 3  # after its capture, and twice more
     step.run(key="bs 2", fn=lambda: calls.append("bs 2"))
     assert calls[-1] == "bs 2" and "bs 2" not in step.graphs
+
+
+def test_a_replay_returns_what_the_step_returned_when_captured():
+    step, made = glue.GlueGraphs("a step"), []
+
+    def fn():
+        made.append(torch.zeros(1))
+        return made[-1]
+
+    values = [step.run(key="bs 1", fn=fn) for _ in range(4)]
+    assert values[0] is made[0] and values[1] is made[1] and values[2] is values[3] is made[1]
+
+
+def test_a_step_run_inside_another_steps_capture_is_held_by_that_capture():
+    outer, inner, calls = glue.GlueGraphs("outer"), glue.GlueGraphs("inner"), []
+
+    def both():
+        calls.append("outer")
+        inner.run(key="bs 1", fn=lambda: calls.append("inner"))
+
+    for _ in range(3):
+        outer.run(key="bs 1", fn=both)
+    assert calls == ["outer", "inner", "outer", "inner"]  # eager, then inside the outer capture
+    assert "bs 1" in outer.graphs and not inner.graphs  # the inner step's graph is not its own
+    assert not glue.capturing()
+
+
+def test_a_step_that_refuses_its_capture_stays_eager(caplog):
+    step, calls = glue.GlueGraphs("a step"), []
+
+    def fn():
+        calls.append(glue.capturing())
+        if glue.capturing():
+            raise glue.NotCapturable("a forward ran without its graph")
+
+    for _ in range(3):
+        step.run(key="bs 1", fn=fn)
+    assert calls == [False, True, False, False] and step.broken and not step.graphs
+    assert "a step cannot be captured, it runs eagerly: a forward ran without its graph" in caplog.text
 
 
 def test_no_key_runs_eagerly_every_time():
@@ -129,3 +169,115 @@ def test_the_drafter_kv_write_is_keyed_by_the_helpers_workspaces_and_a_prefills_
     glue_graphs._drafter_kv_in_a_graph(write, worker, ctx_hidden=torch.full((4, 2), 3.0), ctx_positions=positions,
                                        ctx_cache_loc=loc, ctx_cache_loc_2d=loc.view(1, 4), commit_lens=commit)
     assert calls[-1][0][0][0] == 3.0  # a new layout: eager
+
+
+class CycleWorker:
+    """What run_cycle reads of SGLang's DFlashWorkerV2; its cycle writes the lengths + 3 and bonus + 1 into the
+    rotating buffers, as the real one's accept step does, and its forwards "replay" their graphs."""
+
+    block_size = 16
+
+    def __init__(self):
+        self._fused_kv_helper = SimpleNamespace(_proj_workspace=torch.zeros(4), _k_workspace=None, _v_workspace=None)
+        self._draft_block_ids_buf = torch.zeros(8, 16, dtype=torch.long)
+        self.model_runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(4, 64)))
+        self.target_worker = SimpleNamespace(model_runner=SimpleNamespace(war_fastpath_read_done_event=None))
+        self.draft_model_runner = SimpleNamespace(war_fastpath_read_done_event=None)
+        self.rotating = [torch.zeros(2, dtype=torch.long) for _ in range(2)]
+        self.cycles, self.graphs_replayed, self.seen = 0, 2, []
+
+    def _next_accept_bonus_buffers(self, bs):
+        return tuple(self.rotating)
+
+    def _make_next_draft_input_decode(self, *, bonus_tokens, new_seq_lens):
+        return SimpleNamespace(bonus_tokens=bonus_tokens, new_seq_lens=new_seq_lens)
+
+    def cycle(self, batch, on_publish=None, grammar_barrier=None):
+        assert on_publish is None  # run_cycle publishes after the graph
+        self.cycles += 1
+        self.seen.append((batch.seq_lens.data_ptr(), batch.seq_lens.tolist()))
+        glue._capture.embedded += self.graphs_replayed
+        new_seq_lens, bonus = self._next_accept_bonus_buffers(2)
+        new_seq_lens.copy_(batch.seq_lens + 3)
+        bonus.copy_(batch.spec_info.bonus_tokens + 1)
+        batch.out_cache_loc = "the verify's slots"
+        return SimpleNamespace(new_seq_lens=new_seq_lens, next_draft_input=SimpleNamespace(bonus_tokens=bonus))
+
+
+def cycle_batch(lens, sampling_info=None):
+    return SimpleNamespace(seq_lens=torch.tensor(lens), spec_info=SimpleNamespace(bonus_tokens=torch.tensor([5, 6])),
+                           req_pool_indices=torch.tensor([1, 2]), mamba_track_indices=None, has_grammar=False,
+                           sampling_info=sampling_info, out_cache_loc=None)
+
+
+@pytest.fixture
+def cycle_env(monkeypatch):
+    from sglang.srt.speculative import dflash_worker_v2
+
+    monkeypatch.setattr(torch.cuda, "Event", lambda: SimpleNamespace(record=lambda: None))
+    monkeypatch.setattr(cycle_graphs.radix_cache, "refresh_mamba_track", lambda batch: None)
+    monkeypatch.setattr(dflash_worker_v2, "SIMULATE_ACC_LEN", -1)
+    cycle_graphs._STATIC.clear()
+    return dflash_worker_v2
+
+
+def run_cycle(worker, batch, **kwargs):
+    return cycle_graphs.run_cycle(CycleWorker.cycle, worker, batch, **kwargs)
+
+
+def test_a_cycle_replays_on_copies_of_its_inputs_and_hands_back_a_new_result_of_the_graphs_tensors(cycle_env):
+    worker, published = CycleWorker(), []
+    results = [run_cycle(worker, cycle_batch([100 + k, 200 + k]), on_publish=published.append) for k in range(4)]
+    assert worker.cycles == 2  # eager, captured; then replayed
+    assert worker.seen[0][0] == worker.seen[1][0] and [s[1] for s in worker.seen] == [[100, 200], [101, 201]]
+    assert results[1].new_seq_lens.data_ptr() not in [t.data_ptr() for t in worker.rotating]  # the graph's own
+    assert results[2] is not results[3] and results[2].next_draft_input is not results[3].next_draft_input
+    assert results[3].new_seq_lens is results[1].new_seq_lens  # what the replays rewrite
+    assert [p is r.new_seq_lens for p, r in zip(published, results)] == [True] * 4
+    assert worker.draft_model_runner.war_fastpath_read_done_event is not None
+
+
+def test_the_batch_keeps_its_own_tensors_after_a_cycle(cycle_env):
+    worker, batch = CycleWorker(), cycle_batch([100, 200])
+    lens, pool = batch.seq_lens, batch.req_pool_indices
+    run_cycle(worker, batch)
+    assert batch.seq_lens is lens and batch.req_pool_indices is pool and batch.out_cache_loc == "the verify's slots"
+
+
+def test_each_simulated_acceptance_length_has_its_graph_drawn_before_the_cycle(cycle_env, monkeypatch):
+    from sglang.srt.speculative import spec_utils
+
+    monkeypatch.setattr(cycle_env, "SIMULATE_ACC_LEN", 6.5)
+    lengths = iter([6, 7, 6, 7, 6, 7])
+    monkeypatch.setattr(spec_utils, "_sample_simulated_acc_len", lambda *a: next(lengths))
+    worker, drawn = CycleWorker(), []
+    real_cycle = CycleWorker.cycle
+
+    def cycle(self, batch, **kw):
+        drawn.append(cycle_graphs._drawn_length(lambda *a: "sampled in the cycle", 6.5, "match-expected", 16))
+        return real_cycle(self, batch, **kw)
+
+    for _ in range(6):
+        cycle_graphs.run_cycle(cycle, worker, cycle_batch([100, 200]))
+    assert drawn == [6, 7, 6, 7] and worker.cycles == 4  # each length: eager, captured; then both replayed
+    assert cycle_graphs._drawn_length(lambda *a: "sampled in the cycle") == "sampled in the cycle"  # outside a cycle
+
+
+def test_a_cycle_whose_forward_ran_without_its_graph_stays_eager(cycle_env):
+    worker = CycleWorker()
+    worker.graphs_replayed = 1
+    for _ in range(3):
+        run_cycle(worker, cycle_batch([100, 200]))
+    assert worker.cycles == 4 and cycle_graphs.CYCLE.broken
+
+
+@pytest.mark.parametrize("case", ["sampled", "penalties", "logit bias", "grammar", "eager switch"])
+def test_cycles_that_depend_on_host_state_run_as_sglang_runs_them(cycle_env, case):
+    info = SimpleNamespace(is_all_greedy=case != "sampled", has_custom_logit_processor=False, grammar_mask=None,
+                           logit_bias=torch.zeros(1) if case == "logit bias" else None,
+                           penalizer_orchestrator=SimpleNamespace(is_required=case == "penalties"))
+    worker, batch = CycleWorker(), cycle_batch([100, 200], sampling_info=info)
+    batch.has_grammar = case == "grammar"
+    for _ in range(3):
+        run_cycle(worker, batch, graphed=case != "eager switch")
+    assert worker.cycles == 3 and not cycle_graphs.CYCLE.graphs and not cycle_graphs._STATIC

@@ -15,28 +15,12 @@ Retire when SGLang captures its speculative glue (or the whole cycle) in graphs.
 
 from types import SimpleNamespace
 
-from qflash.graphs.glue import GlueGraphs
+from qflash.graphs.glue import GlueGraphs, layout, static_copies
 from qflash.server.hooks import Hook
 
 GDN_COMMIT = GlueGraphs("the GDN commit after a verify")
 DRAFTER_KV = GlueGraphs("the drafter's context-KV write after a verify")
 _STATIC: dict = {}  # (step, layout of the fresh inputs) -> the buffers they are copied into
-
-
-def _layout(*tensors) -> tuple:
-    return tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors)
-
-
-def _static_copies(step: str, **fresh):
-    """`fresh`'s tensors copied into this step's buffers of their layout (None stays None)."""
-    key = (step, *((name, None if t is None else (tuple(t.shape), t.dtype)) for name, t in fresh.items()))
-    buffers = _STATIC.get(key)
-    if buffers is None:
-        buffers = _STATIC[key] = {name: None if t is None else t.clone() for name, t in fresh.items()}
-    for name, t in fresh.items():
-        if t is not None:
-            buffers[name].copy_(t)
-    return SimpleNamespace(**buffers)
 
 
 def _gdn_commit_in_a_graph(original, self, *, batch, seq_lens_pre_verify, commit_lens):
@@ -45,10 +29,10 @@ def _gdn_commit_in_a_graph(original, self, *, batch, seq_lens_pre_verify, commit
     if metadata is None:
         return original(self, batch=batch, seq_lens_pre_verify=seq_lens_pre_verify, commit_lens=commit_lens)
     bs = commit_lens.shape[0]
-    s = _static_copies("gdn", seq_lens=batch.seq_lens[:bs], track=batch.mamba_track_indices,
+    s = static_copies(_STATIC, "gdn", seq_lens=batch.seq_lens[:bs], track=batch.mamba_track_indices,
                        pool=batch.req_pool_indices[:bs], pre=seq_lens_pre_verify, commit=commit_lens)
     stand_in = SimpleNamespace(seq_lens=s.seq_lens, mamba_track_indices=s.track, req_pool_indices=s.pool)
-    key = _layout(s.seq_lens, s.track, s.pool, s.pre, s.commit, metadata.mamba_cache_indices)
+    key = layout(s.seq_lens, s.track, s.pool, s.pre, s.commit, metadata.mamba_cache_indices)
     GDN_COMMIT.run(key=key, fn=lambda: original(self, batch=stand_in, seq_lens_pre_verify=s.pre, commit_lens=s.commit))
 
 
@@ -58,8 +42,8 @@ def _drafter_kv_in_a_graph(original, self, ctx_hidden, ctx_positions, ctx_cache_
     rope = getattr(getattr(helper, "rotary_emb", None), "cos_sin_cache", None)
     if ctx_cache_loc_2d is None or commit_lens is None or rope is None:  # a prefill's write: any length
         return original(self, ctx_hidden, ctx_positions, ctx_cache_loc, ctx_cache_loc_2d, commit_lens)
-    hidden = _static_copies("drafter_kv", ctx_hidden=ctx_hidden).ctx_hidden  # fresh from the projection each cycle
-    key = _layout(hidden, ctx_positions, ctx_cache_loc, ctx_cache_loc_2d, commit_lens, helper._proj_workspace,
+    hidden = static_copies(_STATIC, "drafter_kv", ctx_hidden=ctx_hidden).ctx_hidden  # fresh from the projection each cycle
+    key = layout(hidden, ctx_positions, ctx_cache_loc, ctx_cache_loc_2d, commit_lens, helper._proj_workspace,
                   helper._k_workspace, helper._v_workspace, rope)
     DRAFTER_KV.run(key=key, fn=lambda: original(self, hidden, ctx_positions, ctx_cache_loc, ctx_cache_loc_2d, commit_lens))
 

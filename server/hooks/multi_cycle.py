@@ -18,8 +18,10 @@ Retire when SGLang's speculative worker runs several cycles per step (its spec-v
 syncs between draft and verify, but 0.5.17 has no multi-cycle step).
 """
 
+import functools
+
 from qflash.server import window
-from qflash.server.hooks import Hook
+from qflash.server.hooks import Hook, cycle_graphs
 
 
 def _window_step(original, self, batch, on_publish=None, grammar_barrier=None):
@@ -31,7 +33,8 @@ def _window_step(original, self, batch, on_publish=None, grammar_barrier=None):
         result = original(self, batch, on_publish=on_publish, grammar_barrier=grammar_barrier)
         setattr(result.next_draft_input, window.IN_FLIGHT, 1)  # a decode step in flight, not a prefill
         return result
-    return window.run_window(original, self, batch, cycles, on_publish=on_publish, grammar_barrier=grammar_barrier)
+    cycle = functools.partial(cycle_graphs.run_cycle, original)  # each cycle one graph replay, where it can be
+    return window.run_window(cycle, self, batch, cycles, on_publish=on_publish, grammar_barrier=grammar_barrier)
 
 
 def _reserve_for_the_window(original, self, batch):

@@ -16,6 +16,7 @@ Retire on an SGLang release with #37818 and #32052.
 
 from types import SimpleNamespace
 
+from qflash.graphs import glue
 from qflash.server.hooks import Hook
 
 
@@ -27,11 +28,17 @@ def _commit_mamba_state_at_post_verify_lens(original, self, *, batch, seq_lens_p
     return original(self, batch=post_verify, seq_lens_pre_verify=seq_lens_pre_verify, commit_lens=commit_lens)
 
 
-def _refresh_mamba_track_before_verify(self, batch, target_worker):
+def refresh_mamba_track(batch) -> None:
+    """The batch's tracking slots rebuilt from its requests (a host list copied to the device)."""
     from sglang.srt.speculative.spec_utils import prepare_mamba_track_for_verify
 
-    if not batch.forward_mode.is_idle():
-        prepare_mamba_track_for_verify(batch)
+    prepare_mamba_track_for_verify(batch)
+
+
+def _refresh_mamba_track_before_verify(self, batch, target_worker):
+    # inside a cycle's capture the copy would bake a host buffer into the graph: run_cycle refreshed them before
+    if not batch.forward_mode.is_idle() and not glue.capturing():
+        refresh_mamba_track(batch)
 
 
 CHANGES = [
