@@ -67,7 +67,8 @@ def plan_cycles(reqs, *, limit: int, in_flight: int, block: int, context_len: in
 
 
 def run_window(cycle, worker, batch, cycles: int, on_publish=None, grammar_barrier=None):
-    """Run `cycles` of SGLang's cycle (`cycle`: DFlashWorkerV2.forward_batch_generation) on one decode batch and
+    """Run `cycles` of SGLang's cycle (`cycle`: DFlashWorkerV2.forward_batch_generation's signature; qflash hands
+    it through its cycle graph, server/hooks/cycle_graphs.py) on one decode batch and
     return one result: per request, the accepted tokens of all cycles packed from the row's start (stride
     cycles x block), their count as its accept length, the last cycle's bonus token and lengths. Only the last
     cycle publishes the new lengths to the scheduler's FutureMap, which the next step reads on the device."""

@@ -1,6 +1,6 @@
 """A window's cycles (server/window.py) replayed as one CUDA graph each: draft, verify and all the glue between.
 
-Even with its eager glue in graphs, a DFLASH cycle costs SGLang 0.5.17's host ~2.5 ms: each of its two forwards
+Even with its eager glue in graphs, a DFLASH cycle cost SGLang 0.5.17's host 2.3-3.3 ms: each of its two forwards
 builds a ForwardBatch and loads the graph runner's buffers and attention metadata in Python before its graph is
 launched, and the accept, simulated acceptance and bookkeeping between them run eagerly. Inside a window the
 cycles of a batch size all do the same GPU work at the same addresses, so a cycle is captured once per layout
@@ -11,8 +11,10 @@ cycles of a batch size all do the same GPU work at the same addresses, so a cycl
   of the batch size's own; its outputs (tokens, accept and commit lengths, bonus, new lengths) are the graph's
   own tensors, not the worker's rotating buffers, so no earlier step's result is overwritten while it is copied
   to the host. Each replay hands back a new result and draft input holding them.
-- The simulated acceptance length (SGLANG_SIMULATE_ACC_LEN, benchmarks only) is drawn before the cycle, with
-  SGLang's own sampler, and keys the graph, as each value fills the cycle's tensors differently.
+- What the cycle reads from the host stays out of the graph: the radix cache's track slots are rebuilt from the
+  requests before it (a copy from a host list, which a capture would bake in); the simulated acceptance length
+  (SGLANG_SIMULATE_ACC_LEN, benchmarks only) is drawn before it, with SGLang's own sampler, and keys the graph,
+  as each value fills the cycle's tensors differently; the forwards' read-done event is recorded after it.
 - Only greedy batches without penalties, logit bias or custom processors are captured: those change the
   verify's logits from host state per step.
 Retire when SGLang captures a whole speculative cycle (or several) in one graph.
@@ -25,7 +27,7 @@ from qflash.graphs import glue
 from qflash.server.hooks import Hook, radix_cache
 
 CYCLE = glue.GlueGraphs("a whole DFLASH cycle")
-_STATIC: dict = {}  # (batch size, layout) -> the buffers a cycle's fresh inputs are copied into
+_STATIC: dict = {}  # the fresh inputs' shapes and dtypes -> the buffers they are copied into
 _drawn: list = []  # the simulated acceptance length drawn for the cycle running now, if any
 
 

@@ -1,8 +1,9 @@
 """Several DFLASH cycles per scheduler step (server/window.py): what SGLang's worker and scheduler must do for it.
 
-- the worker's step runs a planned window of cycles instead of one (`forward_batch_generation`). The first decode
-  step after a prefill runs one cycle: the scheduler streams the prefill's token once it has launched the next
-  step, so a window there would hold the first token back by the host time of the whole window's launch;
+- the worker's step runs a planned window of cycles instead of one (`forward_batch_generation`), each through its
+  CUDA graph where it has one (server/hooks/cycle_graphs.py). The first decode step after a prefill runs one
+  cycle: the scheduler streams the prefill's token once it has launched the next step, so a window there would
+  hold the first token back by the host time of the whole window's launch;
 - KV slots: SGLang reserves each request's `committed + 2 x 16` slots ahead of the decode step (the step in flight,
   whose commits the host has not seen, and the next), inline in `DFlashDraftInputV2.prepare_for_decode`. A window
   needs `committed + 16 x (cycles in flight + cycles next)`: the window is planned there, and SGLang's reservation
