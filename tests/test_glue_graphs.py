@@ -281,3 +281,31 @@ def test_cycles_that_depend_on_host_state_run_as_sglang_runs_them(cycle_env, cas
     for _ in range(3):
         run_cycle(worker, batch, graphed=case != "eager switch")
     assert worker.cycles == 3 and not cycle_graphs.CYCLE.graphs and not cycle_graphs._STATIC
+
+
+def test_sglangs_full_graphs_are_kept_when_captured_and_embedded_inside_a_cycles_capture(monkeypatch):
+    made = []
+
+    class Graph:
+        def __init__(self, keep_graph=False):
+            self.keep_graph, self.instantiated = keep_graph, False
+            made.append(self)
+
+        def instantiate(self):
+            self.instantiated = True
+
+    def capture_one(self, shape_key, forward_fn, capture_inputs=None, post_warmup_hook=None):  # as SGLang's builds it
+        self._graphs[shape_key], self._outputs[shape_key] = torch.cuda.CUDAGraph(), forward_fn()
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    backend = SimpleNamespace(_graphs={}, _outputs={})
+    cycle_graphs._keep_decode_graphs(capture_one, backend, "bs 1", lambda: "logits", capture_inputs=None)
+    assert made[0].keep_graph and made[0].instantiated and torch.cuda.CUDAGraph is Graph  # restored after the call
+    embedded = []
+    monkeypatch.setattr(glue, "embed", embedded.append)
+    replays = []
+    replay = lambda self, key, fb: replays.append(key) or "replayed"
+    assert cycle_graphs._embed_inside_a_cycle_capture(replay, backend, "bs 1", None) == "replayed" and not embedded
+    monkeypatch.setattr(glue._capture, "active", True)
+    assert cycle_graphs._embed_inside_a_cycle_capture(replay, backend, "bs 1", None) == "logits"
+    assert embedded == [made[0]] and replays == ["bs 1"]

@@ -46,8 +46,10 @@ def test_summary_per_step_with_idle_time_and_overlapping_streams():
     assert s["families"]["Gated-DeltaNet"] == pytest.approx(0.1) and s["families"]["qflash fused argmax"] == pytest.approx(0.1)
     assert s["top_other"] == [("mystery", pytest.approx(0.05))]
     assert s["launches"] == {"eager kernels": pytest.approx(0.5)}  # no graph replays in this trace
+    assert s["kernels_per_cycle"] == 3 and s["family_kernels_per_cycle"]["qflash W8A8 GEMM"] == 0.5  # a cycle a step
     table = render(s, "title")
-    assert "| qflash W8A8 GEMM | 0.150 | 15% |" in table and "| GPU idle | 0.550 | 55% |" in table
+    assert "| qflash W8A8 GEMM | 0.150 | 15% | 0.5 |" in table and "| GPU idle | 0.550 | 55% | |" in table
+    assert "2 cycles, GPU busy 0.450 ms and 3 kernels per cycle" in table
     assert "| eager kernels | 0.500 | 50% |" in table
 
 
@@ -61,6 +63,9 @@ def test_kernels_are_grouped_by_the_graph_replay_that_launched_them():
         kernel("_w8a8_gemm_kernel", 210, 7, corr=4),  # a graph with neither argmax nor Gated-DeltaNet
     ]
     assert launch_groups(events + kernels, kernels) == {"draft graph": 50, "verify graph": 130, "eager kernels": 5, "other graph": 7}
+    whole = [kernel("_w8a16_argmax_kernel", 0, 10, corr=1), kernel("_w8a8_gemm_kernel", 10, 100, corr=1),
+             kernel("_gdn_verify_kernel", 110, 30, corr=1)]  # a window's cycle in one graph (server/hooks/cycle_graphs.py)
+    assert launch_groups(events + whole, whole) == {"cycle graph": 140}
 
 
 def test_the_gpu_time_per_cycle_counts_the_verify_graphs_a_step_replays():
@@ -73,10 +78,15 @@ def test_the_gpu_time_per_cycle_counts_the_verify_graphs_a_step_replays():
                kernel("_w8a8_gemm_kernel", 700, 100, corr=4), kernel("_pack_cycle_kernel", 800, 10)]
     s = summarize({"traceEvents": events + kernels}, steps=1)
     assert s["cycles"] == 2 and s["gpu_cycle_ms"] == pytest.approx(0.405)
-    assert "2 cycles, GPU busy 0.405 ms per cycle" in render(s, "title")
+    assert "2 cycles, GPU busy 0.405 ms and 4 kernels per cycle" in render(s, "title")
     assert s["launches"]["other graph"] == pytest.approx(0.01)
     eager = summarize({"traceEvents": [kernel("_w8a8_gemm_kernel", 0, 100)]}, steps=4)  # no graphs: a cycle a step
     assert eager["cycles"] == 4 and eager["gpu_cycle_ms"] == pytest.approx(0.025)
+    cycle = [kernel("_w8a16_argmax_kernel", 0, 100, corr=c) for c in (1, 2)] + [
+        kernel("_w8a8_gemm_kernel", 100 + 300 * c, 200, corr=c) for c in (1, 2)] + [
+        kernel("_gdn_verify_kernel", 300 + 300 * c, 10, corr=c) for c in (1, 2)]
+    whole = summarize({"traceEvents": [runtime("cudaGraphLaunch", 1), runtime("cudaGraphLaunch", 2), *cycle]}, steps=1)
+    assert whole["cycles"] == 2 and whole["kernels_per_cycle"] == 3  # one cycle graph a cycle
 
 
 def test_host_spans_are_summed_per_step():

@@ -116,17 +116,18 @@ def _republish_read_done(worker) -> None:
         runner.war_fastpath_read_done_event = event
 
 
-def _keep_decode_graphs(original, self, *args, **kwargs):
-    """SGLang's decode graphs captured with their graph kept, so that a cycle's capture can embed them."""
+def _keep_decode_graphs(original, self, shape_key, *args, **kwargs):
+    """SGLang's full CUDA graphs (the decode runners') captured with their graph kept, so that a cycle's capture
+    can embed them."""
     import torch
 
     plain = torch.cuda.CUDAGraph
     torch.cuda.CUDAGraph = functools.partial(plain, keep_graph=True)  # the backend builds it inside the call
     try:
-        result = original(self, *args, **kwargs)
+        result = original(self, shape_key, *args, **kwargs)
     finally:
         torch.cuda.CUDAGraph = plain
-    self._graphs[args[0]].instantiate()  # (the shape key's) as a plain capture does at its end, not at first replay
+    self._graphs[shape_key].instantiate()  # as a plain capture does at its end, not at the first replay
     return result
 
 

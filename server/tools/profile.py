@@ -6,9 +6,10 @@ own profiler (`/start_profile`, CPU + GPU activities) records a fixed number of 
 DFlash draft + verify cycle. With `--prefill` the profiler starts before the request instead, so its first
 steps are recorded: the prefill (target and draft) that the time to first token is made of.
 The trace's GPU kernels are summed by family per step and by launch: each CUDA-graph replay is one group
-(named by what it holds: the draft graph picks tokens with an argmax, the verify graph runs Gated-DeltaNet),
-kernels launched one by one are "eager". The window's wall time minus the busy time is the GPU waiting on the
-host (scheduler, Python, syncs between kernels).
+(named by what it holds: the draft graph picks tokens with an argmax, the verify graph runs the target's GEMMs
+and Gated-DeltaNet, a cycle graph, server/hooks/cycle_graphs.py, both), kernels launched one by one are "eager".
+The window's wall time minus the busy time is the GPU waiting on the host (scheduler, Python, syncs between
+kernels) and the gaps between kernels; the kernels per cycle count what each cycle launches on the GPU.
 """
 
 import gzip
@@ -58,7 +59,8 @@ def family(kernel_name: str) -> str:
 def graph_replays(events: list[dict], kernels: list[dict]) -> tuple[dict[str, list[list[dict]]], list[dict]]:
     """Kernels by the CUDA-graph replay that launched them (they share its runtime call's correlation id), each
     replay named by content (the draft graph picks tokens with an argmax, the verify graph runs the target's GEMMs
-    and Gated-DeltaNet; the glue's graphs, graphs/glue.py, one or the other), and the kernels launched one at a time."""
+    and Gated-DeltaNet, a cycle graph both; the glue's graphs, graphs/glue.py, one or the other), and the kernels
+    launched one at a time."""
     graph_calls = {e["args"]["correlation"] for e in events
                    if e.get("cat") == "cuda_runtime" and "GraphLaunch" in e.get("name", "") and "correlation" in e.get("args", {})}
     replays: dict[int, list[dict]] = {}
@@ -70,7 +72,9 @@ def graph_replays(events: list[dict], kernels: list[dict]) -> tuple[dict[str, li
     for group in replays.values():
         names = " ".join(e["name"] for e in group)
         target_body = re.search(FAMILIES[6][1], names, re.I) and re.search(GEMMS, names, re.I)
-        label = ("verify graph" if target_body else "draft graph" if re.search(r"argmax", names, re.I) else "other graph")
+        picks = re.search(r"argmax", names, re.I)
+        label = ("cycle graph" if target_body and picks else "verify graph" if target_body else
+                 "draft graph" if picks else "other graph")
         named.setdefault(label, []).append(group)
     return named, eager
 
@@ -93,10 +97,11 @@ def summarize(trace: dict, steps: int) -> dict:
         raise ValueError("the trace has no GPU kernel events (was the profiler run with GPU activities?)")
     start = min(e["ts"] for e in kernels)
     window_us = max(e["ts"] + e["dur"] for e in kernels) - start
-    per_family, other = {}, {}
+    per_family, counts, other = {}, {}, {}
     for e in kernels:
         name = family(e["name"])
         per_family[name] = per_family.get(name, 0.0) + e["dur"]
+        counts[name] = counts.get(name, 0) + 1
         if name == "other":
             other[e["name"]] = other.get(e["name"], 0.0) + e["dur"]
     busy_us, reach = 0.0, start  # union of the kernels' intervals: side streams overlap the main one
@@ -110,11 +115,14 @@ def summarize(trace: dict, steps: int) -> dict:
             name = re.sub(r" bs=\d+", "", e["name"])
             host[name] = host.get(name, 0.0) + e["dur"]
     ms = 1e-3 / steps
-    cycles = len(graph_replays(events, kernels)[0].get("verify graph", ())) or steps  # a window runs several per step
+    named = graph_replays(events, kernels)[0]
+    cycles = len(named.get("verify graph", ())) + len(named.get("cycle graph", ())) or steps  # a window: several a step
+    order = sorted(per_family, key=per_family.get, reverse=True)
     return {
         "steps": steps, "window_ms": window_us * ms, "gpu_busy_ms": busy_us * ms, "gpu_idle_ms": (window_us - busy_us) * ms,
-        "cycles": cycles, "gpu_cycle_ms": busy_us * 1e-3 / cycles,
-        "families": {f: per_family[f] * ms for f in sorted(per_family, key=per_family.get, reverse=True)},
+        "cycles": cycles, "gpu_cycle_ms": busy_us * 1e-3 / cycles, "kernels_per_cycle": len(kernels) / cycles,
+        "families": {f: per_family[f] * ms for f in order},
+        "family_kernels_per_cycle": {f: counts[f] / cycles for f in order},
         "launches": {k: v * ms for k, v in sorted(launch_groups(events, kernels).items(), key=lambda kv: -kv[1])},
         "top_other": [(n, us * ms) for n, us in sorted(other.items(), key=lambda kv: -kv[1])[:10]],
         "host": {k: v * ms for k, v in sorted(host.items(), key=lambda kv: -kv[1])},
@@ -125,10 +133,12 @@ def render(summary: dict, title: str) -> str:
     window = summary["window_ms"]
     lines = [title, "", f"Per step (mean of {summary['steps']}): window {window:.3f} ms, GPU busy "
              f"{summary['gpu_busy_ms']:.3f} ms, GPU idle (host, gaps) {summary['gpu_idle_ms']:.3f} ms; "
-             f"{summary['cycles']} cycles, GPU busy {summary['gpu_cycle_ms']:.3f} ms per cycle.", "",
-             "| kernel family | ms per step | share of window |", "| --- | ---: | ---: |"]
-    lines += [f"| {f} | {v:.3f} | {v / window:.0%} |" for f, v in summary["families"].items()]
-    lines.append(f"| GPU idle | {summary['gpu_idle_ms']:.3f} | {summary['gpu_idle_ms'] / window:.0%} |")
+             f"{summary['cycles']} cycles, GPU busy {summary['gpu_cycle_ms']:.3f} ms and "
+             f"{summary['kernels_per_cycle']:.0f} kernels per cycle.", "",
+             "| kernel family | ms per step | share of window | kernels per cycle |", "| --- | ---: | ---: | ---: |"]
+    counts = summary["family_kernels_per_cycle"]
+    lines += [f"| {f} | {v:.3f} | {v / window:.0%} | {counts[f]:.1f} |" for f, v in summary["families"].items()]
+    lines.append(f"| GPU idle | {summary['gpu_idle_ms']:.3f} | {summary['gpu_idle_ms'] / window:.0%} | |")
     lines += ["", "| launched as | ms per step | share of window |", "| --- | ---: | ---: |"]
     lines += [f"| {k} | {v:.3f} | {v / window:.0%} |" for k, v in summary["launches"].items()]
     if summary["host"]:
