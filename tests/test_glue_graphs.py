@@ -299,8 +299,10 @@ def test_sglangs_full_graphs_are_kept_when_captured_and_embedded_inside_a_cycles
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     backend = SimpleNamespace(_graphs={}, _outputs={})
+    cycle_graphs.CYCLE.graphs["a layout"] = ("a cycle graph", "its result")
     cycle_graphs._keep_decode_graphs(capture_one, backend, "bs 1", lambda: "logits", capture_inputs=None)
     assert made[0].keep_graph and made[0].instantiated and torch.cuda.CUDAGraph is Graph  # restored after the call
+    assert not cycle_graphs.CYCLE.graphs  # it held a clone of the forward graph captured again
     embedded = []
     monkeypatch.setattr(glue, "embed", embedded.append)
     replays = []

@@ -128,6 +128,7 @@ def _keep_decode_graphs(original, self, shape_key, *args, **kwargs):
     finally:
         torch.cuda.CUDAGraph = plain
     self._graphs[shape_key].instantiate()  # as a plain capture does at its end, not at the first replay
+    glue.drop_all()  # a cycle graph holds a clone of the graph this one replaces (SGLang captures again): none stale
     return result
 
 
