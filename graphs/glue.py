@@ -71,12 +71,9 @@ class GlueGraphs:
         except (RuntimeError, NotCapturable) as exc:  # e.g. the step synchronised with the host
             self.broken = True
             logger.warning("qflash graphs: %s cannot be captured, it runs eagerly: %s", self.name, exc)
-            failed = True
-        else:
-            failed = False
         finally:
             _capture.active = False
-        if failed:
+        if self.broken:  # run only once the capture is over: its work was recorded, not run
             return fn()
         self.graphs[key] = (graph, value)
         graph.replay()  # capture only recorded the work: this cycle's runs now

@@ -181,8 +181,7 @@ class CycleWorker:
         self._fused_kv_helper = SimpleNamespace(_proj_workspace=torch.zeros(4), _k_workspace=None, _v_workspace=None)
         self._draft_block_ids_buf = torch.zeros(8, 16, dtype=torch.long)
         self.model_runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(4, 64)))
-        self.target_worker = SimpleNamespace(model_runner=SimpleNamespace(war_fastpath_read_done_event=None))
-        self.draft_model_runner = SimpleNamespace(war_fastpath_read_done_event=None)
+        self.war_fastpath_runner = SimpleNamespace(war_fastpath_read_done_event=None)  # the target's, in SGLang
         self.rotating = [torch.zeros(2, dtype=torch.long) for _ in range(2)]
         self.cycles, self.graphs_replayed, self.seen = 0, 2, []
 
@@ -234,7 +233,7 @@ def test_a_cycle_replays_on_copies_of_its_inputs_and_hands_back_a_new_result_of_
     assert results[2] is not results[3] and results[2].next_draft_input is not results[3].next_draft_input
     assert results[3].new_seq_lens is results[1].new_seq_lens  # what the replays rewrite
     assert [p is r.new_seq_lens for p, r in zip(published, results)] == [True] * 4
-    assert worker.draft_model_runner.war_fastpath_read_done_event is not None
+    assert worker.war_fastpath_runner.war_fastpath_read_done_event is not None
 
 
 def test_the_batch_keeps_its_own_tensors_after_a_cycle(cycle_env):

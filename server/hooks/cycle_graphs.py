@@ -25,6 +25,7 @@ import functools
 
 from qflash.graphs import glue
 from qflash.server.hooks import Hook, radix_cache
+from qflash.server.hooks.glue_graphs import drafter_kv_buffers
 
 CYCLE = glue.GlueGraphs("a whole DFLASH cycle")
 _STATIC: dict = {}  # the fresh inputs' shapes and dtypes -> the buffers they are copied into
@@ -47,9 +48,9 @@ def run_cycle(cycle, worker, batch, on_publish=None, grammar_barrier=None, graph
     fresh = {"seq_lens": batch.seq_lens, "bonus": draft_input.bonus_tokens, "pool": batch.req_pool_indices,
              "track": batch.mamba_track_indices}
     s = glue.static_copies(_STATIC, "cycle", **fresh)
-    helper = worker._fused_kv_helper
     key = (length, glue.layout(s.seq_lens, s.bonus, s.pool, s.track, worker._draft_block_ids_buf,
-                               worker.model_runner.req_to_token_pool.req_to_token, *_grown_buffers(helper)))
+                               worker.model_runner.req_to_token_pool.req_to_token,
+                               *drafter_kv_buffers(worker._fused_kv_helper)))
     batch.seq_lens, draft_input.bonus_tokens, batch.req_pool_indices, batch.mamba_track_indices = (
         s.seq_lens, s.bonus, s.pool, s.track)
     _drawn[:] = [] if length is None else [length]
@@ -98,22 +99,16 @@ def plain_greedy(batch) -> bool:
             and (penalties is None or not penalties.is_required))
 
 
-def _grown_buffers(helper) -> tuple:
-    """The drafter's KV-write workspaces and RoPE cache, which a longer prefill reallocates."""
-    rope = getattr(getattr(helper, "rotary_emb", None), "cos_sin_cache", None)
-    return tuple(getattr(helper, name, None) for name in ("_proj_workspace", "_k_workspace", "_v_workspace")) + (rope,)
-
-
 def _republish_read_done(worker) -> None:
     """SGLang's forwards publish an event once their reads of the shared KV tables are done, which the scheduler
-    waits on before writing them again; a replayed cycle ran no Python to record one, and one recorded inside a
-    capture cannot be waited on: record it after the cycle (later than needed, never too early)."""
+    waits on (the worker's `war_fastpath_runner`'s) before writing them again; a replayed cycle ran no Python to
+    record one, and one recorded inside a capture cannot be waited on: record it after the cycle (later than
+    needed, never too early)."""
     import torch
 
-    for runner in (worker.target_worker.model_runner, worker.draft_model_runner):
-        event = torch.cuda.Event()
-        event.record()
-        runner.war_fastpath_read_done_event = event
+    event = torch.cuda.Event()
+    event.record()
+    worker.war_fastpath_runner.war_fastpath_read_done_event = event
 
 
 def _keep_decode_graphs(original, self, shape_key, *args, **kwargs):

@@ -36,15 +36,19 @@ def _gdn_commit_in_a_graph(original, self, *, batch, seq_lens_pre_verify, commit
     GDN_COMMIT.run(key=key, fn=lambda: original(self, batch=stand_in, seq_lens_pre_verify=s.pre, commit_lens=s.commit))
 
 
+def drafter_kv_buffers(helper) -> tuple:
+    """The fused drafter-KV write's workspaces and RoPE cache (the last), which a longer prefill reallocates."""
+    rope = getattr(getattr(helper, "rotary_emb", None), "cos_sin_cache", None)
+    return tuple(getattr(helper, name, None) for name in ("_proj_workspace", "_k_workspace", "_v_workspace")) + (rope,)
+
+
 def _drafter_kv_in_a_graph(original, self, ctx_hidden, ctx_positions, ctx_cache_loc, ctx_cache_loc_2d=None,
                            commit_lens=None):
-    helper = self._fused_kv_helper
-    rope = getattr(getattr(helper, "rotary_emb", None), "cos_sin_cache", None)
-    if ctx_cache_loc_2d is None or commit_lens is None or rope is None:  # a prefill's write: any length
+    buffers = drafter_kv_buffers(self._fused_kv_helper)
+    if ctx_cache_loc_2d is None or commit_lens is None or buffers[-1] is None:  # a prefill's write: any length
         return original(self, ctx_hidden, ctx_positions, ctx_cache_loc, ctx_cache_loc_2d, commit_lens)
     hidden = static_copies(_STATIC, "drafter_kv", ctx_hidden=ctx_hidden).ctx_hidden  # fresh from the projection each cycle
-    key = layout(hidden, ctx_positions, ctx_cache_loc, ctx_cache_loc_2d, commit_lens, helper._proj_workspace,
-                  helper._k_workspace, helper._v_workspace, rope)
+    key = layout(hidden, ctx_positions, ctx_cache_loc, ctx_cache_loc_2d, commit_lens, *buffers)
     DRAFTER_KV.run(key=key, fn=lambda: original(self, hidden, ctx_positions, ctx_cache_loc, ctx_cache_loc_2d, commit_lens))
 
 
