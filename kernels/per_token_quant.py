@@ -12,16 +12,21 @@ import triton.language as tl
 
 
 @triton.jit
+def quantize_row(x):
+    """One row held in fp32 -> (int8 row, fp32 scale): the rule every qflash producer of W8A8 input applies."""
+    absmax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10)
+    scale = tl.div_rn(absmax, 127.0)
+    x = x * tl.div_rn(127.0, absmax)
+    return tl.where(x >= 0, x + 0.5, x - 0.5).to(tl.int8), scale
+
+
+@triton.jit
 def _per_token_quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK_K: tl.constexpr):
     # One program per row, the whole row in registers: one read of x, whose latency the row's absmax waits on once.
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_K)
     x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
-    absmax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-10)
-    scale = tl.div_rn(absmax, 127.0)
-    inv = tl.div_rn(127.0, absmax)
-    x = x * inv
-    q = tl.where(x >= 0, x + 0.5, x - 0.5).to(tl.int8)
+    q, scale = quantize_row(x)
     tl.store(q_ptr + row * stride_q + offs, q, mask=offs < K)
     tl.store(scale_ptr + row, scale)
 

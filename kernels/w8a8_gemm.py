@@ -90,17 +90,21 @@ def split_k_buffers(device: torch.device, m: int, n: int, tiles: int) -> tuple[t
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
-           config: dict) -> torch.Tensor:
-    """Run the kernel with an explicit config (the tuner's entry); x [M, K] with unit stride in K."""
+           config: dict, x_q: Optional[torch.Tensor] = None, x_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Run the kernel with an explicit config (the tuner's entry); x [M, K] with unit stride in K. Given x's
+    int8 rows and scales (x_q, x_scale, as its producer wrote them), the kernel reads those instead."""
     M, K = x.shape
     N = w.shape[0]
     cfg = {"SPLIT_K": 1, **config}
-    quant_x = cfg.pop("QUANT_X")
+    quant_x = cfg.pop("QUANT_X") and x_q is None
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    x_scale = w_scale
-    if not quant_x:
+    if x_q is not None:
+        x = x_q
+    elif quant_x:
+        x_scale = w_scale
+    else:
         x, x_scale = per_token_quant(x)
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
     ws, counts = split_k_buffers(x.device, M, N, tiles) if cfg["SPLIT_K"] > 1 else (y, y)
@@ -112,19 +116,21 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
 
 @torch.library.custom_op("qflash::w8a8_gemm", mutates_args=())
 def w8a8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
-              phase: str = "verify") -> torch.Tensor:
-    """x bf16 [..., K], w int8 [N, K], w_scale fp32 [N] -> bf16 [..., N], config from the table for `phase`."""
+              phase: str = "verify", x_q: Optional[torch.Tensor] = None,
+              x_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x bf16 [..., K], w int8 [N, K], w_scale fp32 [N] -> bf16 [..., N], config from the table for `phase`;
+    x_q int8 [M, K] and x_scale fp32 [M]: x's rows already quantized (quant/handoff.py)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M, K = x2.shape
     N = w.shape[0]
     config = config_table.lookup(CONFIGS, phase, M, N, K, DEFAULT_DECODE if M <= config_table.DECODE_MAX_M else DEFAULT_PREFILL)
-    return launch(x2, w, w_scale, bias, config).reshape(*x.shape[:-1], N)
+    return launch(x2, w, w_scale, bias, config, x_q, x_scale).reshape(*x.shape[:-1], N)
 
 
 @w8a8_gemm.register_fake
-def _(x, w, w_scale, bias=None, phase="verify"):
+def _(x, w, w_scale, bias=None, phase="verify", x_q=None, x_scale=None):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 

@@ -24,6 +24,7 @@ from torch.nn import Parameter
 
 from qflash.kernels import w8a8_gemm, w8a16_argmax, w8a16_gemm  # noqa: F401  register the torch.ops.qflash ops
 from qflash.kernels.config_table import gemm_phase
+from qflash.quant import handoff
 from qflash.quant.layout import LM_HEAD_KEY, METHOD_NAME
 from qflash.quant.quantize import quantize_per_channel
 
@@ -50,7 +51,8 @@ class W8A8LinearMethod(W8A8Int8LinearMethod):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         phase = gemm_phase(self.decode_phase, _rows(x))
-        return torch.ops.qflash.w8a8_gemm(x, layer.weight, layer.weight_scale, bias, phase)
+        x_q, x_scale = handoff.take(x)  # x's int8 rows, where the kernel that wrote x wrote them too
+        return torch.ops.qflash.w8a8_gemm(x, layer.weight, layer.weight_scale, bias, phase, x_q, x_scale)
 
 
 class OnlineW8A8LinearMethod(W8A8LinearMethod):
@@ -93,6 +95,10 @@ def greedy_ids(lm_head: torch.nn.Module, hidden: torch.Tensor, num_org: int) -> 
     """Greedy token ids over the first `num_org` rows of an int8 lm_head, without writing logits."""
     weight, scale = lm_head.weight[:num_org], lm_head.weight_scale[:num_org]
     return torch.ops.qflash.w8a16_argmax(hidden.to(torch.bfloat16), weight, scale, "lm_head")
+
+
+def runs_w8a8(linear: Any) -> bool:
+    return isinstance(getattr(linear, "quant_method", None), W8A8LinearMethod)
 
 
 def is_int8_lm_head(lm_head: Any) -> bool:

@@ -217,3 +217,13 @@ def test_the_log_says_how_many_hooks_each_process_applied(server):
     print("\n" + "\n".join(lines))
     count = len({change.target for change in QFLASH})  # every change once: the server runs without the cycle meter
     assert len(lines) >= 2 and all(line.split("qflash: ")[1].startswith(f"{count} hooks applied") for line in lines)
+
+
+def test_every_layers_norms_and_activation_hand_int8_rows_to_the_projections(server):
+    from conftest import served_log
+
+    from qflash.server.models.qwen3_5_text import HANDOFF_LOG, INT8_HANDOFFS
+    from qflash.server.preset import TEXT_CONFIG
+
+    expected = HANDOFF_LOG.format(count=TEXT_CONFIG["num_hidden_layers"] * len(INT8_HANDOFFS))
+    assert expected in served_log(), [line for line in served_log().splitlines() if "int8 rows" in line]

@@ -100,3 +100,50 @@ def test_ops_capture_in_a_cuda_graph_and_compile():
 
     ref = torch.ops.qflash.w8a8_gemm(torch.nn.functional.silu(x), w, w_scale, None, "verify")
     assert torch.equal(layer(x), ref)
+
+
+def _within_one_ulp(a, b) -> tuple[bool, float]:
+    """Whether two bf16 tensors are at most 1 ulp apart everywhere, and the share of elements that differ."""
+    a, b = a.float(), b.float()
+    close = (a - b).abs() <= 2 ** -7 * torch.maximum(a.abs(), b.abs()) + 1e-30
+    return bool(close.all()), (a != b).float().mean().item()
+
+
+@pytest.mark.parametrize("m", [16, 8192])
+def test_norm_quant_against_sglangs_norm_at_the_real_width(m):
+    """The norm's output within 1 ulp of SGLang's CUDA kernel (their reductions differ in order), its residual
+    the same bits, its int8 rows those of what it wrote, bit for bit."""
+    from sglang.srt.layers.layernorm import GemmaRMSNorm
+
+    from qflash.kernels.norm_quant import gemma_norm_quant
+    from qflash.server.tools.shapes import HIDDEN
+
+    norm = GemmaRMSNorm(HIDDEN, eps=1e-6).to(device="cuda", dtype=torch.bfloat16)  # as served: bf16 weights
+    norm.weight.data.copy_(activations(1, HIDDEN, 1)[0] * 0.2)
+    x, residual = activations(m, HIDDEN, 2), activations(m, HIDDEN, 3) * 4
+    ref_out, ref_res = norm.forward_cuda(x.clone(), residual.clone())
+    out, res = x.clone(), residual.clone()
+    q, scale = gemma_norm_quant(out, res, norm.weight.data, norm.variance_epsilon, out)
+    assert torch.equal(res, ref_res)
+    close, differ = _within_one_ulp(out, ref_out)
+    assert close and differ < 0.01, f"{differ:.2%} of the outputs differ"
+    q_ref, scale_ref = quant_reference(out.cpu())
+    assert torch.equal(q.cpu(), q_ref) and torch.equal(scale.cpu(), scale_ref)
+
+
+@pytest.mark.parametrize("m", [16, 8192])
+def test_silu_mul_quant_against_sglangs_activation_at_the_real_width(m):
+    from sglang.srt.layers.activation import silu_and_mul  # SiluAndMul.forward_cuda's kernel
+
+    from qflash.kernels.silu_mul_quant import silu_mul_quant
+    from qflash.server.tools.shapes import TARGET
+
+    d = dict((name, k) for name, _, k in TARGET)["mlp.down_proj"]
+    x = activations(m, 2 * d, 4) * 3
+    ref = torch.empty((m, d), dtype=x.dtype, device=x.device)
+    silu_and_mul(x, ref)
+    out, q, scale = silu_mul_quant(x)
+    close, differ = _within_one_ulp(out, ref)
+    assert close and differ < 0.01, f"{differ:.2%} of the outputs differ"
+    q_ref, scale_ref = quant_reference(out.cpu())
+    assert torch.equal(q.cpu(), q_ref) and torch.equal(scale.cpu(), scale_ref)

@@ -26,6 +26,11 @@ def test_kernel_names_map_to_their_families():
     assert family("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>") == "norms, rotary, activations"
     assert family("Memcpy DtoD (Device -> Device)") == "copies and fills"
     assert family("void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>(__nv_bfloat16*)") == "norms, rotary, activations"
+    # qflash's norm and activation that also quantize (a "gemma" in a name would read as a GEMM)
+    from qflash.kernels import norm_quant, silu_mul_quant
+
+    for kernel in (norm_quant._rms_norm_quant_kernel, silu_mul_quant._silu_mul_quant_kernel):
+        assert family(kernel.fn.__name__) == "norms, rotary, activations", kernel.fn.__name__
     assert family("my_new_kernel") == "other"
 
 

@@ -5,15 +5,29 @@ arch-keyed SGLang rule for Qwen3.5 (mamba radix cache, prefill graphs) still app
 text-only Qwen3.5 (no vision tower, so no image processor) and adds what that class lacks for DFlash:
 `set_dflash_layers_to_capture`, loading the multimodal checkpoint's `model.language_model.*` names, and
 loading the lm_head's tensors besides its weight (the int8 head's `weight_scale`), which that class drops.
+Each layer's norms and SiLU-and-multiply are marked to hand their output's int8 rows to the W8A8 projections
+that read it (quant/handoff.py).
 """
 
+import logging
 from typing import Iterable, Optional
 
 import torch
 from sglang.srt.layers.quantization.base_config import QuantizationConfig
 from sglang.srt.models.qwen3_5_text import Qwen3_5ForCausalLM
 
+from qflash.quant import handoff
 from qflash.quant.layout import LM_HEAD, text_name
+from qflash.quant.method import runs_w8a8
+
+logger = logging.getLogger(__name__)
+HANDOFF_LOG = "qflash: {count} norms and activations hand their int8 rows to W8A8 projections"
+# A decoder layer's producers of projection input -> the projections that read it (either layer type's names).
+INT8_HANDOFFS = {
+    "input_layernorm": ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba", "qkv_proj"),
+    "post_attention_layernorm": ("mlp.gate_up_proj",),
+    "mlp.act_fn": ("mlp.down_proj",),
+}
 
 
 def text_only_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
@@ -21,11 +35,26 @@ def text_only_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[t
     return ((text_name(name), tensor) for name, tensor in weights if text_name(name) is not None)
 
 
+def _submodules(module: torch.nn.Module, names: tuple[str, ...]) -> list[torch.nn.Module]:
+    """The submodules of `module` at those names that it has."""
+    found = []
+    for name in names:
+        try:
+            found.append(module.get_submodule(name))
+        except AttributeError:
+            pass
+    return found
+
+
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     def __init__(self, config, quant_config: Optional[QuantizationConfig] = None, prefix: str = ""):
         text_config = config.get_text_config()
         text_config.tie_word_embeddings = getattr(config, "tie_word_embeddings", text_config.tie_word_embeddings)
         super().__init__(text_config, quant_config=quant_config, prefix=prefix)
+        routed = sum(handoff.mark(module, any(map(runs_w8a8, _submodules(layer, consumers))))
+                     for layer in self.model.layers for producer, consumers in INT8_HANDOFFS.items()
+                     for module in _submodules(layer, (producer,)))
+        logger.info(HANDOFF_LOG.format(count=routed))
 
     def set_dflash_layers_to_capture(self, layer_ids: list[int]) -> None:
         """DFlash taps the output of target layer i, i.e. the input of layer i + 1 (as SGLang's VL class)."""

@@ -1,0 +1,41 @@
+"""SiLU-and-multiply that also writes the int8 rows and per-token scales of its output (the down projection's
+input), so the down projection needs no quantization launch of its own.
+
+One program per row: out = silu(gate) * up in fp32 (as SGLang's CUDA kernel: gate / (1 + exp(-gate)) * up),
+rounded to the output dtype, then quantized from that rounded row by `quantize_row`, bit for bit what
+`per_token_quant` gives for the written output. The exponential is Triton's, so outputs may differ from
+SGLang's kernel in the last bit.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from qflash.kernels.per_token_quant import launch_config, quantize_row
+
+
+@triton.jit
+def _silu_mul_quant_kernel(x_ptr, y_ptr, q_ptr, scale_ptr, D, stride_x, stride_y, stride_q, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + D + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (gate / (1.0 + tl.exp(-gate)) * up).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + offs, y, mask=mask)
+    q, scale = quantize_row(y.to(tl.float32))
+    tl.store(q_ptr + row * stride_q + offs, q, mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+def silu_mul_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, 2D] (gate | up) -> (silu(gate) * up [M, D], its int8 [M, D], fp32 scales [M])."""
+    M, D = x.shape[0], x.shape[1] // 2
+    y = torch.empty((M, D), dtype=x.dtype, device=x.device)
+    q = torch.empty((M, D), dtype=torch.int8, device=x.device)
+    scale = torch.empty((M,), dtype=torch.float32, device=x.device)
+    if M:
+        cfg = launch_config(D)
+        _silu_mul_quant_kernel[(M,)](x, y, q, scale, D, x.stride(0), y.stride(0), q.stride(0),
+                                     BLOCK_D=cfg["BLOCK_K"], num_warps=cfg["num_warps"], enable_fp_fusion=False)
+    return y, q, scale
