@@ -24,6 +24,7 @@ from qflash.server.errors import UserError
 from qflash.server.hooks import cycle_meter
 from qflash.server.launcher import ServerDied, require_gpu
 from qflash.server.preset import PREFIX_CACHE, PROMPT_BUCKETS
+from qflash.server.tools import workloads
 from qflash.server.tools.systems import (OUTPUT_LEN, SYSTEMS, add_speculation_args, csv, make_prompt,
                                          positive_csv, positive_int, system_server)
 
@@ -46,10 +47,11 @@ def generate_payload(input_ids: list[int]) -> dict:
     return {"input_ids": input_ids, "sampling_params": sampling, "stream": True}
 
 
-def read_stream(lines, start: float, clock=time.perf_counter) -> dict:
+def read_stream(lines, start: float, clock=time.perf_counter, with_ids: bool = False) -> dict:
     """Time one streamed /generate response: first chunk = first token (TTFT), last chunk = done. The first
-    chunk's token count says whether the server sent the prefill's token alone or with a verify's tokens."""
-    first, first_tokens, meta = None, None, None
+    chunk's token count says whether the server sent the prefill's token alone or with a verify's tokens.
+    `with_ids`: also the answer's token ids (the last chunk holds them all: SGLang streams them cumulatively)."""
+    first, first_tokens, meta, ids = None, None, None, None
     for line in lines:
         if not line.startswith(b"data:"):
             continue
@@ -59,28 +61,30 @@ def read_stream(lines, start: float, clock=time.perf_counter) -> dict:
         chunk = orjson.loads(data)
         if "error" in chunk:
             raise RuntimeError(f"server error: {chunk['error']}")
-        meta = chunk["meta_info"]
+        meta, ids = chunk["meta_info"], chunk.get("output_ids")
         if first is None:
             first, first_tokens = clock(), meta["completion_tokens"]
     end = clock()
     if meta is None:
         raise RuntimeError("empty response stream")
-    return {
+    sample = {
         "latency_ms": (end - start) * 1e3,
         "ttft_ms": (first - start) * 1e3,
         "first_chunk_tokens": first_tokens,
         "output_tokens": meta["completion_tokens"],
+        "cached_tokens": meta.get("cached_tokens"),
         "accept_len": meta.get("spec_accept_length"),
         "verify_steps": meta.get("spec_verify_ct"),
         "rid": meta.get("id"),
     }
+    return {**sample, "output_ids": list(ids or [])} if with_ids else sample
 
 
-def time_request(base_url: str, input_ids: list[int]) -> dict:
+def time_request(base_url: str, input_ids: list[int], with_ids: bool = False) -> dict:
     start = time.perf_counter()
     with requests.post(base_url + "/generate", json=generate_payload(input_ids), stream=True, timeout=600) as resp:
         resp.raise_for_status()
-        return read_stream(resp.iter_lines(), start)
+        return read_stream(resp.iter_lines(), start, with_ids=with_ids)
 
 
 def metered(samples: list[dict], log: str) -> list[dict]:
@@ -269,10 +273,11 @@ def _run_baseline(plan: list[dict], out: Path, progress) -> list[dict]:
 
 def _run_sglang(system: str, plan: list[dict], out: Path, port: int, acc_len: float, progress, flags: list[str],
                 keep, profile_steps: int = 0, prefix_cache: bool = PREFIX_CACHE, profile_with_stack: bool = False,
-                profile_prefill: bool = False) -> dict[str, float]:
-    """Time the plan on one server of `system` (with the cycle meter) and `keep` the samples; then, with
-    `profile_steps`, profile that many scheduler steps per bucket on the same server (`qflash profile`'s tables,
-    written to out/profiles) and return each bucket's GPU busy time per cycle."""
+                profile_prefill: bool = False, workload_names: list[str] = (), keep_workload=None) -> dict[str, float]:
+    """Time the plan on one server of `system` (with the cycle meter) and `keep` the samples; then run the
+    `workload_names` on it (`keep_workload` their samples); then, with `profile_steps`, profile that many
+    scheduler steps per bucket on the same server (`qflash profile`'s tables, written to out/profiles) and return
+    each bucket's GPU busy time per cycle."""
     with system_server(system, out / "logs" / f"{system}.log", port, acc_len, env={cycle_meter.ENV: "1"}, flags=flags,
                        prefix_cache=prefix_cache) as server:
         samples = []
@@ -281,6 +286,8 @@ def _run_sglang(system: str, plan: list[dict], out: Path, port: int, acc_len: fl
             progress.update(1)
         time.sleep(1)  # the meter's last line is printed after the response
         keep(metered(samples, server.log()))  # before profiling: a bench stopped while it profiles keeps its timed rows
+        for name in workload_names:
+            keep_workload(workloads.RUNS[name](lambda ids: time_request(server.base_url, ids, with_ids=True)))
         if not profile_steps:
             return {}
         from qflash.server.tools.profile import profile_buckets
@@ -292,8 +299,9 @@ def _run_sglang(system: str, plan: list[dict], out: Path, port: int, acc_len: fl
 
 def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc_len: float,
               flags: list[str] = (), port: int = 30010, profile_steps: int = 0, prefix_cache: bool = PREFIX_CACHE,
-              profile_with_stack: bool = False, profile_prefill: bool = False) -> int:
-    """Every system in turn on the same requests; extra SGLang `flags` go to every SGLang system (for trials)."""
+              profile_with_stack: bool = False, profile_prefill: bool = False, workload_names: list[str] = ()) -> int:
+    """Every system in turn on the same requests (and the named workloads, on the SGLang systems); extra SGLang
+    `flags` go to every SGLang system (for trials)."""
     out = Path(out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     plan = request_plan(buckets, timed)
@@ -302,12 +310,13 @@ def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc
         "command": "qflash bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
         "protocol": {"buckets": buckets, "output_len": OUTPUT_LEN, "timed": timed, "warmup": 1,
                      "acc_len": acc_len, "greedy": True, "ignore_eos": True},
-        "qflash_prefix_cache": prefix_cache, "gpu_cycle_ms": {},
+        "qflash_prefix_cache": prefix_cache, "gpu_cycle_ms": {}, "workloads": list(workload_names),
     }
     samples, errors = [], {}
+    meta["workload_samples"] = workload_samples = []
 
-    def keep(system: str, got: list[dict]) -> None:
-        samples.extend({"system": system, **s} for s in got)
+    def keep(system: str, got: list[dict], into: list = samples) -> None:
+        into.extend({"system": system, **s} for s in got)
         write_results(out, meta, samples, errors)  # as each system's rows come, so a cut-short run keeps them
 
     with tqdm(total=len(systems) * len(plan), desc="qflash bench", unit="req") as progress:
@@ -319,7 +328,8 @@ def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc
                 else:
                     meta["gpu_cycle_ms"][system] = _run_sglang(
                         system, plan, out, port, acc_len, progress, list(flags), lambda got: keep(system, got),
-                        profile_steps, prefix_cache, profile_with_stack, profile_prefill)
+                        profile_steps, prefix_cache, profile_with_stack, profile_prefill, workload_names,
+                        lambda got: keep(system, got, workload_samples))
             except (ServerDied, TimeoutError, RuntimeError, requests.RequestException) as exc:
                 errors[system] = str(exc)
                 tqdm.write(f"{system}: FAILED: {exc}")
@@ -329,16 +339,21 @@ def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc
 
 
 def write_results(out: Path, meta: dict, samples: list[dict], errors: dict[str, str]) -> str:
-    """results.json (rows), run.json (meta + raw samples), results.md and latency.png; returns the table."""
+    """results.json (rows), run.json (meta + raw samples, the workloads' too), results.md (with the workloads'
+    rows), latency.png and workloads.png; returns the table."""
     rows = summarize(samples, gpu_cycle_ms=meta.get("gpu_cycle_ms"))
     (out / "results.json").write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2))
     (out / "run.json").write_bytes(orjson.dumps({**meta, "errors": errors, "samples": samples}, option=orjson.OPT_INDENT_2))
     host = meta.get("host")
     on = f" (host: {host['cpu']}, {host['cores']} cores, Python probe {host['python_probe_ms']} ms)" if host else ""
-    table = f"{meta['date']}, {meta['machine']}{on}: `{meta['command']}`\n\n" + render_table(rows, errors)
+    workload_rows = workloads.summarize(meta.get("workload_samples", []))
+    table = (f"{meta['date']}, {meta['machine']}{on}: `{meta['command']}`\n\n" + render_table(rows, errors)
+             + workloads.render_table(workload_rows))
     (out / "results.md").write_text(table)
     if rows:
         render_chart(rows, out / "latency.png")
+    if workload_rows:
+        workloads.render_chart(workload_rows, out / "workloads.png")
     return table
 
 
@@ -359,6 +374,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-prefill", action="store_true",
                    help="the profiles record each bucket's prefill and first cycles instead (time to first token)")
     p.add_argument("--profile-with-stack", action="store_true", help="the profiles also record Python call stacks")
+    p.add_argument("--workloads", type=csv(str, tuple(workloads.RUNS)), default=[],
+                   help=f"after the scoreboard, on each SGLang server: comma list from {','.join(workloads.RUNS)} "
+                        "(multi-turn chat sharing prefixes; 1-16 requests in flight), in the same results")
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
@@ -369,4 +387,4 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         raise UserError("needs matplotlib for its chart: pip install 'qflash[bench]'", code=1) from None
     return run_bench(args.systems, args.out, args.buckets, args.timed, args.acc_len, extra, profile_steps=args.profile_steps,
                      prefix_cache=args.prefix_cache, profile_with_stack=args.profile_with_stack,
-                     profile_prefill=args.profile_prefill)
+                     profile_prefill=args.profile_prefill, workload_names=args.workloads)
