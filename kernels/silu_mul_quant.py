@@ -15,9 +15,9 @@ from qflash.kernels.per_token_quant import launch_config, quantize_row
 
 
 @triton.jit
-def _silu_mul_quant_kernel(x_ptr, y_ptr, q_ptr, scale_ptr, D, stride_x, stride_y, stride_q, BLOCK_D: tl.constexpr):
+def _silu_mul_quant_kernel(x_ptr, y_ptr, q_ptr, scale_ptr, D, stride_x, stride_y, stride_q, BLOCK_K: tl.constexpr):
     row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_D)
+    offs = tl.arange(0, BLOCK_K)
     mask = offs < D
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + D + offs, mask=mask, other=0.0).to(tl.float32)
@@ -35,7 +35,6 @@ def silu_mul_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     q = torch.empty((M, D), dtype=torch.int8, device=x.device)
     scale = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M:
-        cfg = launch_config(D)
-        _silu_mul_quant_kernel[(M,)](x, y, q, scale, D, x.stride(0), y.stride(0), q.stride(0),
-                                     BLOCK_D=cfg["BLOCK_K"], num_warps=cfg["num_warps"], enable_fp_fusion=False)
+        _silu_mul_quant_kernel[(M,)](x, y, q, scale, D, x.stride(0), y.stride(0), q.stride(0), enable_fp_fusion=False,
+                                     **launch_config(D))
     return y, q, scale
