@@ -15,8 +15,9 @@ step, from what the host knows (lengths lag the device by the step in flight):
 - as many cycles as configured, but no more than a request is expected to need before its max_new_tokens at its
   acceptance so far, so a request's last steps do not decode past its end;
 - its KV slots and positions stay inside the context;
-- one cycle for batches that need the host between cycles (grammar masks advance the host's FSM per cycle), and
-  for the first decode step after a prefill (server/hooks/multi_cycle.py says why).
+- one cycle for batches that need the host between cycles (grammar masks advance the host's FSM per cycle;
+  logprobs are read from the step's one verify), and for the first decode step after a prefill
+  (server/hooks/multi_cycle.py says why).
 A request that stops inside a window (EOS, a stop string, max_tokens) is cut there by the scheduler's own
 finish checks, as it cuts one cycle's run; the cycles after the stop are wasted, at most one window's.
 """
@@ -42,7 +43,7 @@ def configured_cycles() -> int:
 
 def needs_host_between_cycles(batch) -> bool:
     """Grammar-constrained batches advance the host's grammar FSM over each cycle's tokens before the next
-    cycle's mask; logprob requests are refused by DFLASH before any cycle runs."""
+    cycle's mask; a logprob batch's step returns its one verify's logprobs (server/hooks/logprobs.py)."""
     return bool(batch.has_grammar or batch.return_logprob)
 
 

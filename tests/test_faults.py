@@ -58,6 +58,7 @@ PLAN = "qflash.server.window.plan_cycles"
 PLAN_STREAM = "sglang.srt.speculative.dflash_info_v2._get_overlap_plan_stream"
 GLUE = "qflash.graphs.glue.GlueGraphs.run"
 CYCLE = "qflash.server.hooks.cycle_graphs.run_cycle"
+LOGPROBS = "sglang.srt.layers.logprob_processor.compute_spec_v2_logprobs"
 
 CAND = torch.tensor([[7, 1, 2, 3, 4], [7, 1, 2, 3, 4], [7, 1, 2, 3, 4]])  # block of K=5: current token + 4 drafts
 TOP = torch.tensor([[1, 2, 9, 9, 5], [1, 2, 3, 4, 5], [8, 8, 8, 8, 8]])  # target choices: 2, 4 (all), 0 drafts match
@@ -79,15 +80,18 @@ def sample_kwargs(target: str) -> dict:
                 "bonus_tokens": torch.tensor([6]), "seq_lens": torch.tensor([40])}
     if target == PLAN:
         return {"reqs": [], "limit": 4, "in_flight": 1, "block": 16, "context_len": 16384}
+    if target == LOGPROBS:
+        return {"batch": object(), "logits_output": object(), "predict": torch.zeros(8, dtype=torch.int64),
+                "accept_index": torch.arange(8).view(2, 4), "speculative_num_steps": 3}
     assert target == KV
     return {"target_hidden": torch.zeros(3, 2), "cache_loc": torch.tensor([4, 5, 6]), "positions": torch.tensor([0, 1, 2]),
             "commit_lens": torch.tensor([3])}
 
 
 def test_the_plugin_wraps_the_targets_this_test_knows():
-    assert set(plugin().HOOKS) == {TRITON_ACCEPT, EAGER_ACCEPT, FOLD, KV, CARRY, PLAN, PLAN_STREAM, GLUE, CYCLE}
+    assert set(plugin().HOOKS) == {TRITON_ACCEPT, EAGER_ACCEPT, FOLD, KV, CARRY, PLAN, PLAN_STREAM, GLUE, CYCLE, LOGPROBS}
     assert plugin().FAULTS == ["accept_off_by_one", "cycle_eager", "drafter_kv_shift", "gdn_state_wrong_step", "glue_eager",
-                               "one_cycle_per_step",
+                               "logprobs_one_position_late", "one_cycle_per_step",
                                "plan_stream_off", "plan_stream_on", "stale_cache_checkpoint", "window_2", "window_4",
                                "window_stale_bonus"]
 
@@ -102,7 +106,7 @@ def test_the_fault_is_read_again_whenever_the_file_changes(fault_path):
 
 
 @pytest.mark.parametrize("state", ["no file", "empty file", "another fault"])
-@pytest.mark.parametrize("target", [TRITON_ACCEPT, EAGER_ACCEPT, FOLD, KV, CARRY, PLAN])
+@pytest.mark.parametrize("target", [TRITON_ACCEPT, EAGER_ACCEPT, FOLD, KV, CARRY, PLAN, LOGPROBS])
 def test_a_hook_passes_the_call_through_unless_its_fault_is_named(target, state, fault_path):
     if state != "no file":
         other = next(f for f in plugin().FAULTS if f not in plugin().TARGETS[target])
@@ -165,6 +169,14 @@ def test_window_stale_bonus_starts_the_next_block_from_the_previous_bonus(fault_
         (_, got), _ = call(CARRY, **kwargs)
     assert got["bonus_tokens"] is kwargs["draft_input"].bonus_tokens
     assert all(got[k] is v for k, v in kwargs.items() if k != "bonus_tokens")
+
+
+def test_logprobs_one_position_late_reads_each_token_from_the_next_position(fault_path):
+    kwargs = sample_kwargs(LOGPROBS)
+    with injected(fault_path, "logprobs_one_position_late"):
+        (_, got), _ = call(LOGPROBS, **kwargs)
+    assert got["accept_index"].tolist() == [[1, 2, 3, 0], [5, 6, 7, 4]] and kwargs["accept_index"][0, 0] == 0
+    assert all(got[k] is v for k, v in kwargs.items() if k != "accept_index")
 
 
 @pytest.mark.parametrize("switch, limit", [("one_cycle_per_step", 1), ("window_2", 2), ("window_4", 4)])
@@ -333,12 +345,27 @@ def cycle():
     return "graphed" if Batch.asked else "eager"
 
 
+from qflash.server.hooks import logprobs as logprob_hook
+
+
+def logprobs():  # which block position each committed token's logprobs came from: row r's top token is r
+    bs, block = 2, 4
+    logits = torch.eye(bs * block) * 10
+    batch = SimpleNamespace(batch_size=lambda: bs, seq_lens=torch.zeros(bs), sampling_info=SimpleNamespace(is_all_greedy=True),
+                            top_logprobs_nums=[1, 1], token_ids_logprobs=None)
+    result = SimpleNamespace(speculative_num_draft_tokens=block, next_token_ids=torch.zeros(bs * block, dtype=torch.int64),
+                             logits_output=SimpleNamespace(next_token_logits=logits))
+    logprob_hook.verify_logprobs(batch, result)
+    return [int(idx[0]) for idx in result.logits_output.next_token_top_logprobs_idx]
+
+
 captured, out["drops"] = GlueGraphs("captured"), []
 for fault in ["", *faults.FAULTS, ""]:
     captured.graphs["a layout"] = "a graph"
     Path(os.environ["QFLASH_FAULTS_FILE"]).write_text(fault)
     out["runs"].append([fault, {"accept": accept(), "commit": commit(), "kv": append(), "carry": carry(), "plan": plan(),
-                                "plan_stream": plan_stream(), "glue": glue(), "cycle": cycle()}])
+                                "plan_stream": plan_stream(), "glue": glue(), "cycle": cycle(),
+                                "logprobs": logprobs()}])
     out["drops"].append(not captured.graphs)
 print(json.dumps(out))
 """
@@ -353,6 +380,7 @@ CLEAN = {
     "plan_stream": "a stream",
     "glue": ["a layout"],
     "cycle": "graphed",
+    "logprobs": [0, 1, 2, 3, 4, 5, 6, 7],
 }
 FAULTY = {  # what each fault changes of CLEAN
     "accept_off_by_one": {"accept": {"eager": [[3, 4, 1], [9, 5, 8]],
@@ -369,6 +397,7 @@ FAULTY = {  # what each fault changes of CLEAN
     "plan_stream_on": {},
     "glue_eager": {"glue": []},
     "cycle_eager": {"cycle": "eager"},
+    "logprobs_one_position_late": {"logprobs": [1, 2, 3, 0, 5, 6, 7, 4]},
 }
 
 

@@ -175,7 +175,7 @@ BAD = {
     "logprobs 10**6, completions": (COMPLETIONS, completion(logprobs=10**6, max_tokens=4), None),
     "body over the limit, native": (GENERATE, b'{"text": "' + b"x" * (33 << 20) + b'"}', RAW),
 }
-# The limits' own messages (a DFLASH server refuses logprobs anyway, later: the limit must come first).
+# The limits' own messages (each names its limit).
 LIMIT_MESSAGES = {"n over the limit": "at most 16", "top_logprobs": "from 0 to 20", "logprobs 10**6": "from 0 to 20",
                   "body over the limit": "larger than"}
 

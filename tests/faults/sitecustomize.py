@@ -136,6 +136,15 @@ def window_stale_bonus(kw: dict) -> dict:
     return kw
 
 
+def logprobs_one_position_late(kw: dict) -> dict:
+    """A verify step's committed token j gets its logprobs from block position j + 1 (the last from position 0):
+    the values and top logprobs of the next token's distribution, an off-by-one in the layout qflash hands
+    SGLang's spec-v2 gather (server/hooks/logprobs.py). Output tokens are unchanged. Caught by
+    test_logprobs_gpu.py::test_the_logprob_check_catches_a_shifted_position: speculative logprobs != prompt-only."""
+    kw["accept_index"] = kw["accept_index"].roll(-1, dims=1)
+    return kw
+
+
 def glue_eager(kw: dict) -> dict:
     """Not a fault: the cycle's glue runs eagerly, as SGLang runs it (graphs/glue.py), for an A/B of its graphs."""
     kw["key"] = None
@@ -171,6 +180,7 @@ TARGETS = {
     FOLD: {"gdn_state_wrong_step": gdn_state_wrong_step, "stale_cache_checkpoint": stale_cache_checkpoint},
     WORKER + "DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc": {"drafter_kv_shift": drafter_kv_shift},
     # qflash's own functions, which qflash hooks nowhere: the window's carry between cycles, its planner
+    "sglang.srt.layers.logprob_processor.compute_spec_v2_logprobs": {"logprobs_one_position_late": logprobs_one_position_late},
     "qflash.server.window.carry_to_next_cycle": {"window_stale_bonus": window_stale_bonus},
     "qflash.server.window.plan_cycles": {"one_cycle_per_step": window_of(1), "window_2": window_of(2),
                                          "window_4": window_of(4)},
