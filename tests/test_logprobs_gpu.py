@@ -24,9 +24,9 @@ from fault_control import injected
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 NEW_TOKENS, TOP = 48, 3
-# Prefill and verify reach the same position through different kernels (chunked vs recurrent Gated-DeltaNet,
-# prefill vs block attention, M = prompt vs M = 16 GEMMs); the lm_head's logits are rounded to bf16 (~0.1 at
-# the stable checkpoint's logits of ~30) before the fp32 log-softmax.
+# Prefill and verify reach a position through different kernels (chunked vs recurrent Gated-DeltaNet, prefill vs
+# block attention, M = prompt vs M = 16 GEMMs). On the stable checkpoint, whose values int8 holds exactly, they
+# agree to the bit (BENCHMARKS.md); the allowance is for real weights, where those roundings differ.
 TOLERANCE = 0.25
 
 
