@@ -179,8 +179,9 @@ TARGETS = {
     WORKER + "compute_dflash_correct_drafts_and_bonus": {"accept_off_by_one": accept_off_by_one},
     FOLD: {"gdn_state_wrong_step": gdn_state_wrong_step, "stale_cache_checkpoint": stale_cache_checkpoint},
     WORKER + "DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc": {"drafter_kv_shift": drafter_kv_shift},
-    # qflash's own functions, which qflash hooks nowhere: the window's carry between cycles, its planner
+    # a logprob batch's verify gather, from qflash's hook around that step (never in a window's cycle graph)
     "sglang.srt.layers.logprob_processor.compute_spec_v2_logprobs": {"logprobs_one_position_late": logprobs_one_position_late},
+    # qflash's own functions, which qflash hooks nowhere: the window's carry between cycles, its planner
     "qflash.server.window.carry_to_next_cycle": {"window_stale_bonus": window_stale_bonus},
     "qflash.server.window.plan_cycles": {"one_cycle_per_step": window_of(1), "window_2": window_of(2),
                                          "window_4": window_of(4)},
