@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qflash.kernels import pdl
+
 DOT_DTYPE = tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
 NEG = tl.constexpr(-1.0e30)  # "no key seen yet": finite, so exp(NEG - NEG) = 1 and empty splits add nothing
 
@@ -23,9 +25,11 @@ NEG = tl.constexpr(-1.0e30)  # "no key seen yet": finite, so exp(NEG - NEG) = 1 
 def _prefix_split_kernel(q_ptr, kbuf_ptr, vbuf_ptr, kv_indptr, kv_indices, acc_ptr, ml_ptr, sm_scale,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                          GROUP: tl.constexpr, L: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                         NSPLIT: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                         NSPLIT: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                         PDL: tl.constexpr):
     # One program per (request, KV head, split): the GROUP query heads sharing the KV head are its
     # GROUP * L rows, so each key and value of the split is read once.
+    pdl.enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -74,7 +78,8 @@ def _merge_block_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kv_indptr, acc_ptr, ml_ptr, 
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                         GROUP: tl.constexpr, L: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                         NSPLIT: tl.constexpr, WINDOW: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                        DOT_DTYPE: tl.constexpr):
+                        DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
@@ -152,7 +157,8 @@ def block_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, 
     acc, ml = _scratch(q_extend.device, max(bs, max_bs or 0), heads, nsplit, block, dv)
     sm_scale = sm_scale if sm_scale is not None else dim ** -0.5
     window = sliding_window_size if sliding_window_size is not None and sliding_window_size > 0 else 0
-    common = dict(GROUP=heads // kv_heads, L=block, D=dim, DV=dv, NSPLIT=nsplit, WINDOW=window, DOT_DTYPE=DOT_DTYPE)
+    common = dict(GROUP=heads // kv_heads, L=block, D=dim, DV=dv, NSPLIT=nsplit, WINDOW=window, DOT_DTYPE=DOT_DTYPE,
+                  **pdl.options(q_extend.device))
     _prefix_split_kernel[(bs, kv_heads, nsplit)](
         q_extend, k_buffer, v_buffer, kv_indptr, kv_indices, acc, ml, sm_scale,
         q_extend.stride(0), q_extend.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),

@@ -17,13 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
+from qflash.kernels import pdl
 from qflash.kernels.gdn_verify import _l2_normalize, _program_sequence, _update
 
 
 @triton.jit(do_not_specialize=["T"])
 def _gdn_prefill_kernel(q, k, v, g, beta, o, h, state, slots, cu_seqlens, scale, T, stride_q, stride_k, stride_v,
                         stride_state, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                        BV: tl.constexpr, CHUNK: tl.constexpr):
+                        BV: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     i_v, i_n, i_hv, i_h, bos, eos = _program_sequence(cu_seqlens, H, HV)
     chunk0 = bos * 0  # this request's first chunk in h: the chunks of the requests before it
     for j in range(0, i_n):
@@ -74,7 +76,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     h = k.new_empty(1, chunks, HV, V, K)
     _gdn_prefill_kernel[(V // config["BV"], requests * HV)](
         q, k, v, g, beta, o, h, ssm_states, cache_indices, query_start_loc, K ** -0.5 if scale is None else scale, T,
-        q.stride(1), k.stride(1), v.stride(1), ssm_states.stride(0), H=H, HV=HV, K=K, V=V, CHUNK=CHUNK, **config)
+        q.stride(1), k.stride(1), v.stride(1), ssm_states.stride(0), H=H, HV=HV, K=K, V=V, CHUNK=CHUNK, **config,
+        **pdl.options(q.device))
     return o, None, h
 
 

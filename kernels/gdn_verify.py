@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qflash.kernels import pdl
+
 
 @triton.jit
 def _l2_normalize(x):
@@ -45,7 +47,8 @@ def _gdn_verify_kernel(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, 
                    stride_h0_source, cu_seqlens, scale, T, stride_a, stride_q, stride_k, stride_v, stride_b,
                    rawv, rawk, ring_g, ring_beta, stride_rawv_slot, stride_rawk_slot, stride_g_slot,
                    stride_beta_slot, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BV: tl.constexpr, MAX_CACHE_LEN: tl.constexpr):
+                   BV: tl.constexpr, MAX_CACHE_LEN: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     i_v, i_n, i_hv, i_h, bos, eos = _program_sequence(cu_seqlens, H, HV)
     T = eos - bos  # this sequence's steps; the argument is all sequences' (unspecialized, as SGLang's)
 
@@ -104,7 +107,8 @@ def _gdn_fold_kernel(state, rawv, rawk, ring_g, ring_beta, slots, accept_lens, t
                  stride_state_layer, stride_state_slot, stride_rawv_layer, stride_rawv_slot, stride_rawk_layer,
                  stride_rawk_slot, stride_g_layer, stride_g_slot, stride_beta_layer, stride_beta_slot,
                  H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                 MAX_CACHE_LEN: tl.constexpr, HAS_TRACK: tl.constexpr):
+                 MAX_CACHE_LEN: tl.constexpr, HAS_TRACK: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     i_v, i_n, i_lhv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     layer, i_hv = (i_lhv // HV).to(tl.int64), i_lhv % HV
     i_h = i_hv // (HV // H)
@@ -153,7 +157,8 @@ def verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, softplus
         initial_state_indices, initial_state_source.stride(0), cu_seqlens, K ** -0.5 if scale is None else scale, T,
         a.stride(-2), q.stride(1), k.stride(1), v.stride(1), b.stride(-2), replayssm_rawv, replayssm_rawk,
         replayssm_g, replayssm_beta, replayssm_rawv.stride(0), replayssm_rawk.stride(0), replayssm_g.stride(0),
-        replayssm_beta.stride(0), H=H, HV=HV, K=K, V=V, MAX_CACHE_LEN=replayssm_rawv.shape[-2], **config)
+        replayssm_beta.stride(0), H=H, HV=HV, K=K, V=V, MAX_CACHE_LEN=replayssm_rawv.shape[-2], **config,
+        **pdl.options(q.device))
     return o
 
 
@@ -174,7 +179,7 @@ def fold_all_layers(checkpoint_state: torch.Tensor, rawv_cache: torch.Tensor, ra
         checkpoint_state, rawv_cache, rawk_cache, g_cache, beta_cache, ssm_state_indices, accept_lens, *tracks,
         *checkpoint_state.stride()[:2], *rawv_cache.stride()[:2], *rawk_cache.stride()[:2], *g_cache.stride()[:2],
         *beta_cache.stride()[:2], H=num_k_heads, HV=HV, K=K, V=V, MAX_CACHE_LEN=max_cache_len, HAS_TRACK=has_track,
-        **config)
+        **config, **pdl.options(checkpoint_state.device))
 
 
 def check_shape(k: int, v: int, config: dict) -> None:

@@ -14,13 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
+from qflash.kernels import pdl
 from qflash.kernels.per_token_quant import launch_config, quantize_row
 
 
 @triton.jit
 def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, y_ptr, q_ptr, scale_ptr, K, eps,
                              stride_x, stride_res, stride_y, stride_q, HAS_RESIDUAL: tl.constexpr,
-                             BLOCK_K: tl.constexpr):
+                             BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_K)
     mask = offs < K
@@ -48,5 +50,5 @@ def gemma_norm_quant(x: torch.Tensor, residual: Optional[torch.Tensor], weight: 
         res = x if residual is None else residual
         _rms_norm_quant_kernel[(M,)](x, res, weight, out, q, scale, K, eps, x.stride(0), res.stride(0),
                                        out.stride(0), q.stride(0), HAS_RESIDUAL=residual is not None,
-                                       enable_fp_fusion=False, **launch_config(K))
+                                       enable_fp_fusion=False, **launch_config(K), **pdl.options(x.device))
     return q, scale

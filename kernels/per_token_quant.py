@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qflash.kernels import pdl
+
 
 @triton.jit
 def quantize_row(x):
@@ -21,8 +23,9 @@ def quantize_row(x):
 
 
 @triton.jit
-def _per_token_quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK_K: tl.constexpr):
+def _per_token_quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # One program per row, the whole row in registers: one read of x, whose latency the row's absmax waits on once.
+    pdl.enter(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_K)
     x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
@@ -39,7 +42,7 @@ def per_token_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M:
         _per_token_quant_kernel[(M,)](x, q, scale, K, x.stride(0), q.stride(0), enable_fp_fusion=False,
-                                      **launch_config(K))
+                                      **launch_config(K), **pdl.options(x.device))
     return q, scale
 
 

@@ -11,11 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
+from qflash.kernels import pdl
 from qflash.kernels.per_token_quant import launch_config, quantize_row
 
 
 @triton.jit
-def _silu_mul_quant_kernel(x_ptr, y_ptr, q_ptr, scale_ptr, D, stride_x, stride_y, stride_q, BLOCK_K: tl.constexpr):
+def _silu_mul_quant_kernel(x_ptr, y_ptr, q_ptr, scale_ptr, D, stride_x, stride_y, stride_q, BLOCK_K: tl.constexpr,
+                           PDL: tl.constexpr):
+    pdl.enter(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_K)
     mask = offs < D
@@ -36,5 +39,5 @@ def silu_mul_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     scale = torch.empty((M,), dtype=torch.float32, device=x.device)
     if M:
         _silu_mul_quant_kernel[(M,)](x, y, q, scale, D, x.stride(0), y.stride(0), q.stride(0), enable_fp_fusion=False,
-                                     **launch_config(D))
+                                     **launch_config(D), **pdl.options(x.device))
     return y, q, scale

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qflash.kernels import config_table
+from qflash.kernels import config_table, pdl
 from qflash.kernels.tiles import tile_offsets
 from qflash.kernels.w8a16_gemm import DOT_DTYPE, scaled_tile
 
@@ -17,7 +17,8 @@ from qflash.kernels.w8a16_gemm import DOT_DTYPE, scaled_tile
 @triton.jit
 def _w8a16_argmax_kernel(x_ptr, w_ptr, w_scale_ptr, max_ptr, idx_ptr, M, N, K, stride_xm, stride_wn,
                          num_tiles, DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     pid_n = tl.program_id(0)
     offs_m, offs_n, offs_k, mask_m, mask_n = tile_offsets(tl.program_id(1), pid_n, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     logits = scaled_tile(x_ptr, w_ptr, w_scale_ptr, offs_m, offs_n, offs_k, mask_m, mask_n, K, stride_xm, stride_wn,
@@ -39,7 +40,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, config: dict
     if M:
         grid = (num_tiles, triton.cdiv(M, config["BLOCK_M"]))
         _w8a16_argmax_kernel[grid](x, w, w_scale, tile_max, tile_idx, M, N, K, x.stride(0), w.stride(0),
-                                   num_tiles, DOT_DTYPE=DOT_DTYPE, **config)
+                                   num_tiles, DOT_DTYPE=DOT_DTYPE, **config, **pdl.options(x.device))
     best = tile_max.argmax(dim=1, keepdim=True)
     return tile_idx.gather(1, best).squeeze(1).long()
 

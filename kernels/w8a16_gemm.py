@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qflash.kernels import config_table
+from qflash.kernels import config_table, pdl
 from qflash.kernels.tiles import grouped_tile, tile_offsets
 
 # Triton's CPU interpreter multiplies bf16 operands as raw 16-bit integers: it gets fp32 operands.
@@ -34,7 +34,8 @@ def scaled_tile(x_ptr, w_ptr, w_scale_ptr, offs_m, offs_n, offs_k, mask_m, mask_
 @triton.jit
 def _w8a16_gemm_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                        DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
+    pdl.enter(PDL)
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m, offs_n, offs_k, mask_m, mask_n = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     y = scaled_tile(x_ptr, w_ptr, w_scale_ptr, offs_m, offs_n, offs_k, mask_m, mask_n, K, stride_xm, stride_wn,
@@ -51,7 +52,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, config: dict
     if M:
         grid = (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]),)
         _w8a16_gemm_kernel[grid](x, w, w_scale, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
-                                 DOT_DTYPE=DOT_DTYPE, **config)
+                                 DOT_DTYPE=DOT_DTYPE, **config, **pdl.options(x.device))
     return y
 
 

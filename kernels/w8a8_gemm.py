@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qflash.kernels import config_table
+from qflash.kernels import config_table, pdl
 from qflash.kernels.per_token_quant import per_token_quant
 from qflash.kernels.tiles import grouped_tile, tile_offsets
 
@@ -24,13 +24,15 @@ from qflash.kernels.tiles import grouped_tile, tile_offsets
 def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, ws_ptr, count_ptr, M, N, K,
                       stride_xm, stride_wn, stride_ym,
                       QUANT_X: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
+                      PDL: tl.constexpr):
     split = tl.program_id(0) % SPLIT_K
     pid = tl.program_id(0) // SPLIT_K
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m, offs_n, offs_k, mask_m, mask_n = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     w_cols = w_ptr + offs_n[None, :] * stride_wn
+    pdl.enter(PDL)
 
     if QUANT_X:
         absmax = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -110,7 +112,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
     ws, counts = split_k_buffers(x.device, M, N, tiles) if cfg["SPLIT_K"] > 1 else (y, y)
     _w8a8_gemm_kernel[(tiles * cfg["SPLIT_K"],)](
         x, w, x_scale, w_scale, w_scale if bias is None else bias, y, ws, counts, M, N, K, x.stride(0), w.stride(0),
-        y.stride(0), QUANT_X=quant_x, HAS_BIAS=bias is not None, enable_fp_fusion=False, **cfg)
+        y.stride(0), QUANT_X=quant_x, HAS_BIAS=bias is not None, enable_fp_fusion=False,
+        **pdl.options(x.device), **cfg)
     return y
 
 

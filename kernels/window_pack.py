@@ -9,9 +9,13 @@ import torch
 import triton
 import triton.language as tl
 
+from qflash.kernels import pdl
+
 
 @triton.jit
-def _pack_cycle_kernel(tokens_ptr, commit_ptr, rows_ptr, filled_ptr, tokens_stride, rows_stride, BLOCK: tl.constexpr):
+def _pack_cycle_kernel(tokens_ptr, commit_ptr, rows_ptr, filled_ptr, tokens_stride, rows_stride, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr):
+    pdl.enter(PDL)
     req = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     count = tl.load(commit_ptr + req)
@@ -27,4 +31,4 @@ def pack_cycle(out_tokens: torch.Tensor, commit_lens: torch.Tensor, rows: torch.
     bs, block = out_tokens.shape
     if bs:
         _pack_cycle_kernel[(bs,)](out_tokens, commit_lens, rows, filled, out_tokens.stride(0), rows.stride(0),
-                                  BLOCK=block, num_warps=1)
+                                  BLOCK=block, num_warps=1, **pdl.options(rows.device))

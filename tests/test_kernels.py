@@ -223,12 +223,13 @@ def test_bench_kernels_table_renders():
 
 
 def compile_for_sm90(kernel, pointers: dict, config: dict):
-    """Compile a kernel for an H200 (sm90) without a GPU: Triton's front end, ptxas included."""
+    """Compile a kernel for an H200 (sm90) without a GPU, as it is served there (programmatic dependent launch on):
+    Triton's front end, ptxas included."""
     fn = JITFunction(getattr(kernel, "fn", kernel))  # under the interpreter the kernel wraps the Python function
     launch = {"num_warps", "num_stages"}
-    constexprs = {k: v for k, v in config.items() if k not in launch}
+    constexprs = {k: v for k, v in config.items() if k not in launch} | {"PDL": True}
     signature = {a: "constexpr" if a in constexprs else pointers.get(a, "i32") for a in fn.arg_names}
-    options = {k: v for k, v in config.items() if k in launch} | {"enable_fp_fusion": False}
+    options = {k: v for k, v in config.items() if k in launch} | {"enable_fp_fusion": False, "launch_pdl": True}
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                           target=GPUTarget("cuda", 90, 32), options=options)
 
@@ -291,3 +292,33 @@ def test_bench_kernels_prefill_attention_table_renders():
     table = render_prefill_attention([{"tokens": 8192, "sglang_us": 4750.0, "sdpa_us": 1500.0,
                                        "sglang_tflops": 115.8, "sdpa_tflops": 366.6}])
     assert "| 8192 | 4750.0 (116) | 1500.0 (367) |" in table
+
+
+MEMORY_OPS = ("tl.load", "tl.store", "tl.atomic_")
+
+
+def test_every_kernel_waits_for_the_kernel_before_it_touches_memory():
+    # Launched with PDL (kernels/pdl.py), a kernel may start before the previous one has finished: a load or store
+    # before `pdl.enter` would race with that kernel.
+    import importlib
+    import inspect
+    import pkgutil
+
+    import qflash.kernels
+
+    kernels = []
+    for info in pkgutil.iter_modules(qflash.kernels.__path__):
+        module = importlib.import_module(f"qflash.kernels.{info.name}")
+        kernels += [(info.name, name, getattr(obj, "fn", obj)) for name, obj in vars(module).items()
+                    if name.endswith("_kernel") and hasattr(obj, "arg_names")]
+    assert len(kernels) >= 12, kernels
+    for module, name, fn in kernels:
+        body = inspect.getsource(fn).split("pdl.enter(PDL)")
+        assert len(body) == 2 and "PDL" in inspect.signature(fn).parameters, f"{module}.{name} never enters"
+        assert not any(op in body[0] for op in MEMORY_OPS), f"{module}.{name} touches memory before it waits"
+
+
+def test_pdl_is_off_on_the_cpu():
+    from qflash.kernels import pdl
+
+    assert pdl.options(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}

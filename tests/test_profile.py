@@ -3,7 +3,7 @@
 import pytest
 
 from qflash.server.cli import parser
-from qflash.server.tools.profile import family, launch_groups, render, summarize
+from qflash.server.tools.profile import family, launch_groups, own_times, render, summarize
 
 
 def kernel(name, ts, dur, cat="kernel", corr=None):
@@ -38,7 +38,7 @@ def test_summary_per_step_with_idle_time_and_overlapping_streams():
     trace = {"traceEvents": [
         kernel("_w8a8_gemm_kernel", 0, 300), kernel("_per_token_quant_kernel", 300, 100),
         kernel("fused_recurrent_gated_delta_rule_fwd_kernel", 500, 200),
-        kernel("_w8a16_argmax_kernel", 600, 200),  # overlaps the GDN kernel on a side stream
+        kernel("_w8a16_argmax_kernel", 600, 200),  # overlaps the GDN kernel on a side stream: its own 700-800
         kernel("Memcpy HtoD (Pageable -> Device)", 900, 100, cat="gpu_memcpy"),
         kernel("mystery", 1900, 100),
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},  # host events are not GPU time
@@ -48,14 +48,24 @@ def test_summary_per_step_with_idle_time_and_overlapping_streams():
     assert s["gpu_busy_ms"] == pytest.approx((400 + 300 + 100 + 100) / 2e3)  # 500-800 counted once
     assert s["gpu_idle_ms"] == pytest.approx(1.0 - 0.45)
     assert s["families"]["qflash W8A8 GEMM"] == pytest.approx(0.15)
-    assert s["families"]["Gated-DeltaNet"] == pytest.approx(0.1) and s["families"]["qflash fused argmax"] == pytest.approx(0.1)
+    assert s["families"]["Gated-DeltaNet"] == pytest.approx(0.1) and s["families"]["qflash fused argmax"] == pytest.approx(0.05)
+    assert sum(s["families"].values()) == pytest.approx(s["gpu_busy_ms"])
     assert s["top_other"] == [("mystery", pytest.approx(0.05))]
-    assert s["launches"] == {"eager kernels": pytest.approx(0.5)}  # no graph replays in this trace
+    assert s["launches"] == {"eager kernels": pytest.approx(0.45)}  # no graph replays in this trace: all of busy
     assert s["kernels_per_cycle"] == 3 and s["family_kernels_per_cycle"]["qflash W8A8 GEMM"] == 0.5  # a cycle a step
     table = render(s, "title")
     assert "| qflash W8A8 GEMM | 0.150 | 15% | 0.5 |" in table and "| GPU idle | 0.550 | 55% | |" in table
     assert "2 cycles, GPU busy 0.450 ms and 3 kernels per cycle" in table
-    assert "| eager kernels | 0.500 | 50% |" in table
+    assert "| eager kernels | 0.450 | 45% |" in table
+
+
+def test_a_kernel_launched_early_under_pdl_is_charged_only_for_its_own_run():
+    # Under PDL (kernels/pdl.py) the norm starts 10 us into the GEMM and waits for it: its trace interval covers the
+    # GEMM's; the GEMM keeps its 100 us, the norm gets the 50 us it ran alone.
+    trace = {"traceEvents": [kernel("_w8a8_gemm_kernel", 0, 100), kernel("_rms_norm_quant_kernel", 10, 140)]}
+    s = summarize(trace, steps=1)
+    assert s["families"] == {"qflash W8A8 GEMM": pytest.approx(0.1), "norms, rotary, activations": pytest.approx(0.05)}
+    assert s["gpu_busy_ms"] == pytest.approx(0.15)
 
 
 def test_kernels_are_grouped_by_the_graph_replay_that_launched_them():
@@ -67,10 +77,10 @@ def test_kernels_are_grouped_by_the_graph_replay_that_launched_them():
         kernel("index_select", 200, 5, corr=3),  # launched on its own
         kernel("_w8a8_gemm_kernel", 210, 7, corr=4),  # a graph with neither argmax nor Gated-DeltaNet
     ]
-    assert launch_groups(events + kernels, kernels) == {"draft graph": 50, "verify graph": 130, "eager kernels": 5, "other graph": 7}
+    assert launch_groups(events + kernels, kernels, own_times(kernels)) == {"draft graph": 50, "verify graph": 130, "eager kernels": 5, "other graph": 7}
     whole = [kernel("_w8a16_argmax_kernel", 0, 10, corr=1), kernel("_w8a8_gemm_kernel", 10, 100, corr=1),
              kernel("_gdn_verify_kernel", 110, 30, corr=1)]  # a window's cycle in one graph (server/hooks/cycle_graphs.py)
-    assert launch_groups(events + whole, whole) == {"cycle graph": 140}
+    assert launch_groups(events + whole, whole, own_times(whole)) == {"cycle graph": 140}
 
 
 def test_the_gpu_time_per_cycle_counts_the_verify_graphs_a_step_replays():

@@ -79,36 +79,46 @@ def graph_replays(events: list[dict], kernels: list[dict]) -> tuple[dict[str, li
     return named, eager
 
 
-def launch_groups(events: list[dict], kernels: list[dict]) -> dict[str, float]:
+def own_times(kernels: list[dict]) -> dict[int, float]:
+    """Each kernel's share (us, by id) of the GPU's busy time: an instant where several kernels run counts once, for
+    the one that started first. A kernel launched with PDL starts while the one before it drains and waits for it
+    (kernels/pdl.py), and a side stream's kernel overlaps the main stream's, so durations overlap; these shares add
+    up to the busy time (the union of the kernels' intervals)."""
+    own, reach = {}, min(e["ts"] for e in kernels)
+    for e in sorted(kernels, key=lambda e: e["ts"]):
+        end = e["ts"] + e["dur"]
+        own[id(e)] = max(0.0, end - max(e["ts"], reach))
+        reach = max(reach, end)
+    return own
+
+
+def launch_groups(events: list[dict], kernels: list[dict], own: dict[int, float]) -> dict[str, float]:
     """GPU time (us) by launch: per kind of CUDA-graph replay, and the kernels launched one at a time as eager."""
     named, eager = graph_replays(events, kernels)
-    totals = {"eager kernels": sum(e["dur"] for e in eager)} if eager else {}
+    totals = {"eager kernels": sum(own[id(e)] for e in eager)} if eager else {}
     for label, groups in named.items():
-        totals[label] = sum(e["dur"] for group in groups for e in group)
+        totals[label] = sum(own[id(e)] for group in groups for e in group)
     return totals
 
 
 def summarize(trace: dict, steps: int) -> dict:
-    """GPU time per kernel family per step, the busy (any stream) and wall time of the window, the top 'other'
-    kernels. Families sum every kernel; with side streams overlapping, they can add up to more than busy."""
+    """GPU time per kernel family per step (each kernel's `own_times` share, so families add up to the busy time),
+    the busy (any stream) and wall time of the window, the top 'other' kernels."""
     events = trace.get("traceEvents", [])
     kernels = [e for e in events if e.get("cat") in GPU_CATEGORIES and "dur" in e]
     if not kernels:
         raise ValueError("the trace has no GPU kernel events (was the profiler run with GPU activities?)")
     start = min(e["ts"] for e in kernels)
     window_us = max(e["ts"] + e["dur"] for e in kernels) - start
+    own = own_times(kernels)
+    busy_us = sum(own.values())
     per_family, counts, other = {}, {}, {}
     for e in kernels:
         name = family(e["name"])
-        per_family[name] = per_family.get(name, 0.0) + e["dur"]
+        per_family[name] = per_family.get(name, 0.0) + own[id(e)]
         counts[name] = counts.get(name, 0) + 1
         if name == "other":
-            other[e["name"]] = other.get(e["name"], 0.0) + e["dur"]
-    busy_us, reach = 0.0, start  # union of the kernels' intervals: side streams overlap the main one
-    for e in sorted(kernels, key=lambda e: e["ts"]):
-        end = e["ts"] + e["dur"]
-        busy_us += max(0.0, end - max(e["ts"], reach))
-        reach = max(reach, end)
+            other[e["name"]] = other.get(e["name"], 0.0) + own[id(e)]
     host = {}
     for e in events:
         if e.get("cat") in ("user_annotation", "cuda_runtime") and "dur" in e and re.search(HOST_SPANS, e.get("name", "")):
@@ -123,7 +133,7 @@ def summarize(trace: dict, steps: int) -> dict:
         "cycles": cycles, "gpu_cycle_ms": busy_us * 1e-3 / cycles, "kernels_per_cycle": len(kernels) / cycles,
         "families": {f: per_family[f] * ms for f in order},
         "family_kernels_per_cycle": {f: counts[f] / cycles for f in order},
-        "launches": {k: v * ms for k, v in sorted(launch_groups(events, kernels).items(), key=lambda kv: -kv[1])},
+        "launches": {k: v * ms for k, v in sorted(launch_groups(events, kernels, own).items(), key=lambda kv: -kv[1])},
         "top_other": [(n, us * ms) for n, us in sorted(other.items(), key=lambda kv: -kv[1])[:10]],
         "host": {k: v * ms for k, v in sorted(host.items(), key=lambda kv: -kv[1])},
     }

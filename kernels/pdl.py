@@ -1,0 +1,34 @@
+"""Programmatic dependent launch (Hopper and later) for every qflash kernel.
+
+At M = 16 a cycle's ~700 kernels are mostly latency: each waits for the one before it to drain, then pays its
+own launch and ramp. Launched with PDL, a kernel's programs may start while the previous kernel's last programs
+run; `enter` makes each wait (griddepcontrol.wait: the previous grid complete, its writes visible) before it
+touches memory, then lets the next kernel launch. Every qflash kernel calls `enter` first thing; a kernel of
+SGLang's launched after ours without PDL waits for ours as usual. Off in Triton's interpreter (no inline asm) and
+before sm90.
+"""
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def enter(ON: tl.constexpr):
+    if ON:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@functools.cache
+def _supported(device_index: int) -> bool:
+    return os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def options(device: torch.device) -> dict:
+    """A qflash kernel's PDL launch keywords on `device`: the kernel's `PDL` constexpr and Triton's launch flag."""
+    on = device.type == "cuda" and _supported(device.index if device.index is not None else torch.cuda.current_device())
+    return {"PDL": on, "launch_pdl": on}
