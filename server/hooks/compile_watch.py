@@ -1,0 +1,83 @@
+"""What the server says about Triton's compiles: how many kernels a process compiled before its scheduler started
+serving, and how long that took, then every compile while serving, one line each.
+
+A kernel variant first reached by a request (a cache-hit extend of a new length, a batch size not seen yet) is
+compiled then, and that request waits hundreds of milliseconds for it; nothing in SGLang's log says so. Triton's JIT
+calls `knobs.runtime.jit_cache_hook` before compiling a kernel variant it has not built in this process (the
+compile may still be served from Triton's disk cache) and `jit_post_compile_hook` after; qflash times each pair.
+The scheduler's event loop starting is where start-up ends. Retire when SGLang reports or prevents compiles while
+serving.
+"""
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from qflash.server.hooks import Hook
+
+logger = logging.getLogger(__name__)
+STARTUP = "qflash: {count} Triton kernel variants compiled before serving, {seconds:.1f} s of compiling"
+WHILE_SERVING = "qflash: Triton compiled {name} while serving ({ms:.0f} ms; compiles while serving: {count})"
+
+
+class CompileLog:
+    """Triton compiles in this process: counted and timed, each logged once the scheduler serves."""
+
+    def __init__(self):
+        self.count, self.seconds, self.serving, self.while_serving = 0, 0.0, False, 0
+        self._started = threading.local()  # compiles run on the launching thread; several threads may launch
+
+    def before(self, **_) -> None:
+        self._started.at = time.perf_counter()
+        return None  # a true value would tell Triton to skip the compile
+
+    def after(self, *, fn, **_) -> None:
+        seconds = time.perf_counter() - getattr(self._started, "at", time.perf_counter())
+        self.count += 1
+        self.seconds += seconds
+        if self.serving:
+            self.while_serving += 1
+            logger.warning(WHILE_SERVING.format(name=f"{fn.module}.{fn.name}", ms=seconds * 1e3, count=self.while_serving))
+
+    def serving_starts(self) -> str:
+        self.serving = True
+        return STARTUP.format(count=self.count, seconds=self.seconds)
+
+
+COMPILES = CompileLog()  # per process
+
+
+@dataclass(frozen=True)
+class TritonCompileHooks:
+    """Triton's two JIT compile hooks (knobs, not functions HookRegistry wraps), set to this process's log."""
+
+    log: CompileLog
+    target: str = "triton.knobs.runtime.jit_cache_hook/jit_post_compile_hook"
+
+    def install(self):
+        from triton import knobs
+
+        before, after = _chained(knobs.runtime.jit_cache_hook, self.log.before), _chained(knobs.runtime.jit_post_compile_hook, self.log.after)
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
+        return lambda: (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == (before, after)
+
+
+def _chained(earlier, ours):
+    """`ours`, after a hook another tool set before qflash (whose answer, e.g. "skip this compile", stands)."""
+    if earlier is None:
+        return ours
+
+    def both(**kwargs):
+        ours(**kwargs)
+        return earlier(**kwargs)
+
+    return both
+
+
+def _serving_starts(self, *args, **kwargs):
+    logger.info(COMPILES.serving_starts())
+
+
+CHANGES = [TritonCompileHooks(COMPILES),
+           Hook("sglang.srt.managers.scheduler.Scheduler.run_event_loop", _serving_starts, "BEFORE")]

@@ -1,0 +1,62 @@
+"""Triton compiles counted before serving and reported one by one while serving (server/hooks/compile_watch.py)."""
+
+import logging
+
+from conftest import run_python
+from qflash.server.hooks import compile_watch
+from qflash.server.hooks.compile_watch import CompileLog
+
+
+def compile_once(log: CompileLog, module: str = "qflash.kernels.w8a8_gemm", name: str = "_w8a8_gemm_kernel"):
+    """What Triton's JIT does around one compile: both hooks, with the function's info (triton's JitFunctionInfo)."""
+    from triton.runtime.jit import JitFunctionInfo
+
+    assert log.before(key="k", repr="r", fn=None, compile={}, is_manual_warmup=False, already_compiled=False) is None
+    log.after(key="k", repr="r", fn=JitFunctionInfo(module, name, None), compile={}, is_manual_warmup=False,
+              already_compiled=False)
+
+
+def test_start_up_compiles_are_counted_and_each_compile_while_serving_is_logged(caplog):
+    log = CompileLog()
+    with caplog.at_level(logging.INFO, logger=compile_watch.logger.name):
+        compile_once(log)
+        compile_once(log)
+        assert not caplog.records  # start-up: counted, not logged one by one
+        line = log.serving_starts()
+        assert line.startswith("qflash: 2 Triton kernel variants compiled before serving, ") and line.endswith(" s of compiling")
+        compile_once(log, "sglang.srt.layers.attention.triton_ops.extend_attention", "_fwd_kernel")
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        "qflash: Triton compiled sglang.srt.layers.attention.triton_ops.extend_attention._fwd_kernel while serving"]
+    assert caplog.records[0].levelno == logging.WARNING and "compiles while serving: 1)" in caplog.records[0].getMessage()
+    assert (log.count, log.while_serving) == (3, 1)
+
+
+def test_the_scheduler_starting_its_event_loop_ends_start_up(caplog, monkeypatch):
+    monkeypatch.setattr(compile_watch, "COMPILES", CompileLog())
+    with caplog.at_level(logging.INFO, logger=compile_watch.logger.name):
+        compile_watch._serving_starts(object())
+    assert compile_watch.COMPILES.serving and "compiled before serving" in caplog.records[0].getMessage()
+
+
+WATCHED = """
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from triton import knobs
+from triton.runtime.jit import JitFunctionInfo
+from qflash.server.hooks.compile_watch import COMPILES
+call = dict(key="k", repr="r", compile={}, is_manual_warmup=False, already_compiled=False)
+knobs.runtime.jit_cache_hook(fn=None, **call)  # what Triton's JIT calls around a compile, as the plugin left it
+knobs.runtime.jit_post_compile_hook(fn=JitFunctionInfo("m", "_k", None), **call)
+print(COMPILES.count)
+"""
+
+
+def test_the_plugin_sets_tritons_compile_hooks_in_every_process():
+    result = run_python(WATCHED, env={"SGLANG_PLUGINS": "qflash"})
+    assert result.returncode == 0 and result.stdout.split()[-1] == "1", result.stderr[-2000:]
+
+
+def test_a_hook_set_before_qflash_still_runs_and_its_answer_stands():
+    seen = []
+    chained = compile_watch._chained(lambda **kw: seen.append(kw["key"]) or True, lambda **kw: None)
+    assert chained(key="k") is True and seen == ["k"]  # e.g. a tool that tells Triton to skip the compile
