@@ -24,7 +24,7 @@ from qflash.server.errors import UserError
 from qflash.server.hooks import APPLIED, PINNED_SGLANG, REFUSED
 
 APPLIED_MARK = APPLIED.split("{count}")[1].split("{version}")[0]  # " hooks applied on sglang "
-from qflash.server import window
+from qflash.server import warm_up, window
 from qflash.server.preset import (DFLASH_FLAGS, HOST, PORT, PREFIX_CACHE, PREFIX_CACHE_FLAGS, QFLASH_SERVER_ENV,
                                   QFLASH_SERVING_FLAGS, QFLASH_W8A8_FLAGS, REQUEST_LIMITS, WINDOW_CYCLES)
 
@@ -140,10 +140,13 @@ class ServerProcess:
             time.sleep(1.0)
         raise TimeoutError(f"server not healthy after {timeout_s:.0f} s; log: {self.log_path}")
 
+    def headers(self) -> dict:
+        """What a request to this server carries: its API key, when it has one."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def post(self, route: str) -> None:
-        """POST to one of SGLang's routes, with the server's API key when it has one."""
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        request = urllib.request.Request(self.base_url + route, method="POST", headers=headers)
+        """POST to one of SGLang's routes."""
+        request = urllib.request.Request(self.base_url + route, method="POST", headers=self.headers())
         with urllib.request.urlopen(request, timeout=60) as resp:
             resp.read()
 
@@ -158,6 +161,12 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+def warm_up_and_freeze_gc(server: ServerProcess) -> None:
+    """What `qflash serve` does once the server answers: the warm-up (server/warm_up.py), then `freeze_gc`."""
+    print(warm_up.run(server.base_url, server.headers()), flush=True)
+    freeze_gc(server)
 
 
 def freeze_gc(server: ServerProcess) -> None:
@@ -257,7 +266,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         applied = [line for line in server.log().splitlines() if line.startswith("qflash: ") and APPLIED_MARK in line]
         if not applied:
             raise ServerDied("the server started without qflash's SGLang plugin (is qflash installed in this Python?)")
-        freeze_gc(server)
+        warm_up_and_freeze_gc(server)
         print(f"{applied[0]}\nqflash: ready in {took:.0f} s at {server.base_url} (OpenAI API: {server.base_url}/v1)", flush=True)
         return server.proc.wait()
     except (ServerDied, TimeoutError, urllib.error.URLError) as exc:

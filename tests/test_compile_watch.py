@@ -23,7 +23,8 @@ def test_start_up_compiles_are_counted_and_each_compile_while_serving_is_logged(
         compile_once(log)
         assert not caplog.records  # start-up: counted, not logged one by one
         line = log.serving_starts()
-        assert line.startswith("qflash: 2 Triton kernel variants compiled before serving, ") and line.endswith(" s of compiling")
+        assert line.startswith("qflash: 2 Triton kernel variants compiled during start-up and warm-up, ")
+        assert line.endswith(" s of compiling")
         compile_once(log, "sglang.srt.layers.attention.triton_ops.extend_attention", "_fwd_kernel")
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
         "qflash: Triton compiled sglang.srt.layers.attention.triton_ops.extend_attention._fwd_kernel while serving"]
@@ -31,11 +32,19 @@ def test_start_up_compiles_are_counted_and_each_compile_while_serving_is_logged(
     assert (log.count, log.while_serving) == (3, 1)
 
 
-def test_the_scheduler_starting_its_event_loop_ends_start_up(caplog, monkeypatch):
+def test_the_last_warm_up_request_ends_start_up(caplog, monkeypatch):
+    from types import SimpleNamespace
+
+    from qflash.server import warm_up
+
     monkeypatch.setattr(compile_watch, "COMPILES", CompileLog())
     with caplog.at_level(logging.INFO, logger=compile_watch.logger.name):
-        compile_watch._serving_starts(object())
-    assert compile_watch.COMPILES.serving and "compiled before serving" in caplog.records[0].getMessage()
+        compile_watch._end_start_up_after_the_warm_up(object(), SimpleNamespace(rid="a user's request"))
+        assert not compile_watch.COMPILES.serving and not caplog.records
+        for _ in range(2):  # a second marker (a user may send that rid) changes nothing
+            compile_watch._end_start_up_after_the_warm_up(object(), SimpleNamespace(rid=warm_up.DONE_RID))
+    assert compile_watch.COMPILES.serving and len(caplog.records) == 1
+    assert "compiled during start-up and warm-up" in caplog.records[0].getMessage()
 
 
 WATCHED = """

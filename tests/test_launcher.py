@@ -272,9 +272,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200); self.end_headers()
 
-    def do_POST(self):  # /freeze_gc, the launcher's last call: then the server exits
-        self.send_response(200); self.end_headers()
-        threading.Thread(target=server.shutdown).start()
+    def do_POST(self):  # the warm-up's requests, then /freeze_gc, the launcher's last call: then the server exits
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{}")
+        if self.path == "/freeze_gc":
+            threading.Thread(target=server.shutdown).start()
 
     def log_message(self, *args):
         pass
@@ -329,3 +331,47 @@ def test_a_window_length_out_of_range_is_a_one_line_error(cache):
     result = launch("--window-cycles", "12", "--dry-run", cache=cache)
     assert result.returncode == 2 and "--window-cycles: '12': choose 1 to 8" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_warm_up_batches_every_width_extends_a_cached_prefix_and_ends_start_up(monkeypatch):
+    """server/warm_up.py against a stub server: each round's requests arrive together, with the API key; the
+    last request is the marker that ends start-up in the compile watch; then the radix cache is flushed."""
+    import http.server
+    import threading
+
+    from qflash.server import warm_up
+    from qflash.server.preset import MAX_RUNNING_REQUESTS
+
+    seen, lock = [], threading.Lock()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            with lock:
+                seen.append((self.path, self.headers.get("Authorization"), json.loads(body) if body else None))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    stub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=stub.serve_forever, daemon=True).start()
+    try:
+        line = warm_up.run(f"http://127.0.0.1:{stub.server_port}", {"Authorization": "Bearer k3y"})
+    finally:
+        stub.shutdown()
+        stub.server_close()
+    rounds = warm_up.rounds()
+    assert line.startswith(f"qflash: warm-up: {sum(map(len, rounds))} requests in ")
+    assert [len(r) for r in rounds[:MAX_RUNNING_REQUESTS]] == list(range(1, MAX_RUNNING_REQUESTS + 1))
+    generated = [body for path, _, body in seen if path == "/generate"]
+    assert len(generated) == sum(map(len, rounds)) and all(auth == "Bearer k3y" for _, auth, _ in seen)
+    assert generated[-1]["rid"] == warm_up.DONE_RID and [path for path, _, _ in seen[-1:]] == ["/flush_cache"]
+    prefix = warm_up.prompt(600, 1)
+    cached = [b["input_ids"] for b in generated if b.get("input_ids", [])[:600] == prefix]
+    assert sorted(map(len, cached)) == [600, 616, 645, 900]  # a prefix, then three extends over it cached
+    from sglang.srt.entrypoints.http_server import app
+
+    assert any(getattr(r, "path", None) == "/flush_cache" and "POST" in r.methods for r in app.routes)

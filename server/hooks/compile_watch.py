@@ -1,12 +1,12 @@
-"""What the server says about Triton's compiles: how many kernels a process compiled before its scheduler started
-serving, and how long that took, then every compile while serving, one line each.
+"""What the server says about Triton's compiles: how many kernel variants a process compiled during start-up, and
+how long that took, then every compile while serving, one line each.
 
 A kernel variant first reached by a request (a cache-hit extend of a new length, a batch size not seen yet) is
 compiled then, and that request waits hundreds of milliseconds for it; nothing in SGLang's log says so. Triton's JIT
 calls `knobs.runtime.jit_cache_hook` before compiling a kernel variant it has not built in this process (the
 compile may still be served from Triton's disk cache) and `jit_post_compile_hook` after; qflash times each pair.
-The scheduler's event loop starting is where start-up ends. Retire when SGLang reports or prevents compiles while
-serving.
+Start-up ends with the last request of `qflash serve`'s warm-up (server/warm_up.py, its rid DONE_RID), so a server
+started without it reports no compile one by one. Retire when SGLang reports or prevents compiles while serving.
 """
 
 import logging
@@ -14,10 +14,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+from qflash.server import warm_up
 from qflash.server.hooks import Hook
 
 logger = logging.getLogger(__name__)
-STARTUP = "qflash: {count} Triton kernel variants compiled before serving, {seconds:.1f} s of compiling"
+STARTUP = "qflash: {count} Triton kernel variants compiled during start-up and warm-up, {seconds:.1f} s of compiling"
 WHILE_SERVING = "qflash: Triton compiled {name} while serving ({ms:.0f} ms; compiles while serving: {count})"
 
 
@@ -75,9 +76,10 @@ def _chained(earlier, ours):
     return both
 
 
-def _serving_starts(self, *args, **kwargs):
-    logger.info(COMPILES.serving_starts())
+def _end_start_up_after_the_warm_up(self, recv_req, *args, **kwargs):
+    if recv_req.rid == warm_up.DONE_RID and not COMPILES.serving:
+        logger.info(COMPILES.serving_starts())
 
 
 CHANGES = [TritonCompileHooks(COMPILES),
-           Hook("sglang.srt.managers.scheduler.Scheduler.run_event_loop", _serving_starts, "BEFORE")]
+           Hook("sglang.srt.managers.scheduler.Scheduler.handle_generate_request", _end_start_up_after_the_warm_up, "BEFORE")]

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from qflash.server.launcher import ServerProcess, dummy_model_dirs, freeze_gc, plugin_env, sglang_argv, unwind_on_sigterm
+from qflash.server.launcher import (ServerProcess, dummy_model_dirs, plugin_env, sglang_argv, unwind_on_sigterm,
+                                    warm_up_and_freeze_gc)
 from qflash.server.preset import PREFIX_CACHE
 
 OUTPUT_LEN = 256
@@ -49,7 +50,7 @@ def system_server(system: str, log: Path, port: int, acc_len: float, env: dict |
         server.start()
         took = server.wait_ready()
         if system == "qflash":
-            freeze_gc(server)  # what `qflash serve` does once ready
+            warm_up_and_freeze_gc(server)  # what `qflash serve` does once ready
         tqdm.write(f"{system}: ready in {took:.0f} s")
         yield server
     finally:

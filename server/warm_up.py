@@ -1,0 +1,65 @@
+"""Start-up warm-up: before `qflash serve` says ready, it sends the requests that reach the kernel variants a user's
+first requests would otherwise compile (a Triton kernel compiled on first use costs its request hundreds of ms).
+
+CUDA graphs already hold every batch size's draft and verify and the prefill buckets; what runs eagerly and
+specializes per shape is the rest: batches of fresh prefills (1 to MAX_RUNNING_REQUESTS of mixed lengths, each batch
+then decoding together), extends over a cached prefix (radix-cache hits at its 256-token checkpoints, by lengths
+with and without a 16-divisible remainder), a logprob request and a grammar's first compile. The last request
+carries DONE_RID, which ends start-up in the server's compile watch (server/hooks/compile_watch.py); the radix
+cache is flushed after, so the warm-up's prompts hold no cache memory.
+"""
+
+import concurrent.futures
+import json
+import time
+import urllib.error
+import urllib.request
+
+from qflash.server.preset import MAX_RUNNING_REQUESTS
+
+DONE_RID = "qflash-warm-up-done"
+WARM_UP_LOG = "qflash: warm-up: {count} requests in {seconds:.1f} s"
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    """Token ids every Qwen3.5 vocabulary holds, distinct per seed."""
+    return [1000 + (seed * 7919 + i * 104729) % 100000 for i in range(length)]
+
+
+def body(ids: list[int], tokens: int = 8, **extra) -> dict:
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}, **extra}
+
+
+def rounds() -> list[list[dict]]:
+    """Request bodies by round; a round's requests are sent at once, so they batch."""
+    plan = [[body(prompt(20 + 37 * i + 100 * width, 10 * width + i)) for i in range(width)]
+            for width in range(1, MAX_RUNNING_REQUESTS + 1)]
+    cached = prompt(600, 1)
+    plan += [[body(cached)]] + [[body(cached + prompt(extra, 2 + n))] for n, extra in enumerate((16, 45, 300))]
+    plan += [[body(prompt(100, 6), return_logprob=True, top_logprobs_num=2)],
+             [{"text": "0", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "regex": "[0-9]{1,4}"}}],
+             [body(prompt(16, 7), 1, rid=DONE_RID)]]
+    return plan
+
+
+def run(base_url: str, headers: dict) -> str:
+    """Send every round (raising on a failed request), flush the radix cache; the log line of what it took."""
+    start, sent = time.monotonic(), 0
+
+    def post(route: str, payload: dict | None = None) -> None:
+        data = None if payload is None else json.dumps(payload).encode()
+        request = urllib.request.Request(base_url + route, data=data, method="POST",
+                                         headers={**headers, "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as resp:
+            resp.read()
+
+    with concurrent.futures.ThreadPoolExecutor(MAX_RUNNING_REQUESTS) as pool:
+        for batch in rounds():
+            list(pool.map(lambda payload: post("/generate", payload), batch))
+            sent += len(batch)
+    line = WARM_UP_LOG.format(count=sent, seconds=time.monotonic() - start)
+    try:
+        post("/flush_cache")
+    except urllib.error.HTTPError as exc:  # the server serves on; its cache just keeps the warm-up's prompts
+        line += f" (radix cache not flushed: {exc})"
+    return line
