@@ -43,8 +43,10 @@ def rounds() -> list[list[dict]]:
 
 
 def run(base_url: str, headers: dict) -> str:
-    """Send every round (raising on a failed request), flush the radix cache; the log line of what it took."""
-    start, sent = time.monotonic(), 0
+    """Send every round, flush the radix cache; the log line of what it took. A request the server refuses is named
+    in the line (a warm-up that cannot warm everything still leaves a server that serves); one it cannot answer at
+    all raises."""
+    start, sent, refused = time.monotonic(), 0, []
 
     def post(route: str, payload: dict | None = None) -> None:
         data = None if payload is None else json.dumps(payload).encode()
@@ -53,11 +55,19 @@ def run(base_url: str, headers: dict) -> str:
         with urllib.request.urlopen(request, timeout=600) as resp:
             resp.read()
 
+    def generate(payload: dict) -> None:
+        try:
+            post("/generate", payload)
+        except urllib.error.HTTPError as exc:
+            refused.append(f"{exc.code} {exc.read().decode(errors='replace')[:200]}")
+
     with concurrent.futures.ThreadPoolExecutor(MAX_RUNNING_REQUESTS) as pool:
         for batch in rounds():
-            list(pool.map(lambda payload: post("/generate", payload), batch))
+            list(pool.map(generate, batch))
             sent += len(batch)
     line = WARM_UP_LOG.format(count=sent, seconds=time.monotonic() - start)
+    if refused:
+        line += f"; warning: {len(refused)} refused, e.g. {refused[0]}"
     try:
         post("/flush_cache")
     except urllib.error.HTTPError as exc:  # the server serves on; its cache just keeps the warm-up's prompts

@@ -375,3 +375,19 @@ def test_the_warm_up_batches_every_width_extends_a_cached_prefix_and_ends_start_
     from sglang.srt.entrypoints.http_server import app
 
     assert any(getattr(r, "path", None) == "/flush_cache" and "POST" in r.methods for r in app.routes)
+
+
+def test_a_warm_up_request_the_server_refuses_is_named_and_start_up_goes_on(monkeypatch):
+    import io
+    import urllib.error
+
+    from qflash.server import warm_up
+
+    def post(request, timeout):
+        if b"regex" in (request.data or b""):
+            raise urllib.error.HTTPError(request.full_url, 400, "Bad Request", {}, io.BytesIO(b'{"error": "no grammar"}'))
+        return io.BytesIO(b"{}")
+
+    monkeypatch.setattr(warm_up.urllib.request, "urlopen", post)
+    line = warm_up.run("http://127.0.0.1:1", {})
+    assert line.endswith('; warning: 1 refused, e.g. 400 {"error": "no grammar"}'), line
