@@ -140,14 +140,14 @@ class ServerProcess:
             time.sleep(1.0)
         raise TimeoutError(f"server not healthy after {timeout_s:.0f} s; log: {self.log_path}")
 
-    def headers(self) -> dict:
-        """What a request to this server carries: its API key, when it has one."""
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    def post(self, route: str) -> None:
-        """POST to one of SGLang's routes."""
-        request = urllib.request.Request(self.base_url + route, method="POST", headers=self.headers())
-        with urllib.request.urlopen(request, timeout=60) as resp:
+    def post(self, route: str, payload: dict | None = None, timeout: float = 60) -> None:
+        """POST to one of SGLang's routes (a JSON body when given), with the server's API key when it has one."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        data = None if payload is None else json.dumps(payload).encode()
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        request = urllib.request.Request(self.base_url + route, data=data, method="POST", headers=headers)
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
             resp.read()
 
     def stop(self) -> None:
@@ -165,7 +165,7 @@ class ServerProcess:
 
 def warm_up_and_freeze_gc(server: ServerProcess) -> None:
     """What `qflash serve` does once the server answers: the warm-up (server/warm_up.py), then `freeze_gc`."""
-    print(warm_up.run(server.base_url, server.headers()), flush=True)
+    print(warm_up.run(server.post), flush=True)
     freeze_gc(server)
 
 

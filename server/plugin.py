@@ -13,8 +13,8 @@ from qflash.server.hooks import (attention, compile_watch, cycle_graphs, cycle_m
 MODEL_PACKAGE = "qflash.server.models"
 TEXT_ONLY = text_only_model.CHANGES
 QFLASH = [*TEXT_ONLY, *quantization.CHANGES, *quant_handoff.CHANGES, *requests.CHANGES, *draft_pick.CHANGES,
-          *graph_monitor.CHANGES, *compile_watch.CHANGES, *attention.CHANGES, *radix_cache.CHANGES, *gdn_verify.CHANGES, *gdn_prefill.CHANGES,
-          *logprobs.CHANGES, *multi_cycle.CHANGES, *cycle_graphs.CHANGES,
+          *graph_monitor.CHANGES, *compile_watch.CHANGES, *attention.CHANGES, *radix_cache.CHANGES, *gdn_verify.CHANGES,
+          *gdn_prefill.CHANGES, *logprobs.CHANGES, *multi_cycle.CHANGES, *cycle_graphs.CHANGES,
           *glue_graphs.CHANGES]  # last: its graphs hold the other hooks' work on the same steps
 
 

@@ -10,10 +10,9 @@ cache is flushed after, so the warm-up's prompts hold no cache memory.
 """
 
 import concurrent.futures
-import json
 import time
 import urllib.error
-import urllib.request
+from typing import Callable
 
 from qflash.server.preset import MAX_RUNNING_REQUESTS
 
@@ -42,22 +41,15 @@ def rounds() -> list[list[dict]]:
     return plan
 
 
-def run(base_url: str, headers: dict) -> str:
-    """Send every round, flush the radix cache; the log line of what it took. A request the server refuses is named
-    in the line (a warm-up that cannot warm everything still leaves a server that serves); one it cannot answer at
-    all raises."""
+def run(post: Callable[..., None]) -> str:
+    """Send every round through `post(route, payload, timeout)` (the server's `ServerProcess.post`), flush the radix
+    cache; the log line of what it took. A request the server refuses is named in the line (a warm-up that cannot
+    warm everything still leaves a server that serves); one it cannot answer at all raises."""
     start, sent, refused = time.monotonic(), 0, []
-
-    def post(route: str, payload: dict | None = None) -> None:
-        data = None if payload is None else json.dumps(payload).encode()
-        request = urllib.request.Request(base_url + route, data=data, method="POST",
-                                         headers={**headers, "Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=600) as resp:
-            resp.read()
 
     def generate(payload: dict) -> None:
         try:
-            post("/generate", payload)
+            post("/generate", payload, timeout=600)
         except urllib.error.HTTPError as exc:
             refused.append(f"{exc.code} {exc.read().decode(errors='replace')[:200]}")
 

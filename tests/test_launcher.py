@@ -340,6 +340,7 @@ def test_the_warm_up_batches_every_width_extends_a_cached_prefix_and_ends_start_
     import threading
 
     from qflash.server import warm_up
+    from qflash.server.launcher import ServerProcess
     from qflash.server.preset import MAX_RUNNING_REQUESTS
 
     seen, lock = [], threading.Lock()
@@ -359,7 +360,7 @@ def test_the_warm_up_batches_every_width_extends_a_cached_prefix_and_ends_start_
     stub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=stub.serve_forever, daemon=True).start()
     try:
-        line = warm_up.run(f"http://127.0.0.1:{stub.server_port}", {"Authorization": "Bearer k3y"})
+        line = warm_up.run(ServerProcess([], {}, Path("log"), f"http://127.0.0.1:{stub.server_port}", api_key="k3y").post)
     finally:
         stub.shutdown()
         stub.server_close()
@@ -380,6 +381,7 @@ def test_the_warm_up_batches_every_width_extends_a_cached_prefix_and_ends_start_
 def test_a_warm_up_request_the_server_refuses_is_named_and_start_up_goes_on(monkeypatch):
     import io
     import urllib.error
+    import urllib.request
 
     from qflash.server import warm_up
 
@@ -388,6 +390,8 @@ def test_a_warm_up_request_the_server_refuses_is_named_and_start_up_goes_on(monk
             raise urllib.error.HTTPError(request.full_url, 400, "Bad Request", {}, io.BytesIO(b'{"error": "no grammar"}'))
         return io.BytesIO(b"{}")
 
-    monkeypatch.setattr(warm_up.urllib.request, "urlopen", post)
-    line = warm_up.run("http://127.0.0.1:1", {})
+    from qflash.server.launcher import ServerProcess
+
+    monkeypatch.setattr(urllib.request, "urlopen", post)
+    line = warm_up.run(ServerProcess([], {}, Path("log"), "http://127.0.0.1:1").post)
     assert line.endswith('; warning: 1 refused, e.g. 400 {"error": "no grammar"}'), line

@@ -59,7 +59,8 @@ class TritonCompileHooks:
     def install(self):
         from triton import knobs
 
-        before, after = _chained(knobs.runtime.jit_cache_hook, self.log.before), _chained(knobs.runtime.jit_post_compile_hook, self.log.after)
+        before = _chained(knobs.runtime.jit_cache_hook, self.log.before)
+        after = _chained(knobs.runtime.jit_post_compile_hook, self.log.after)
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
         return lambda: (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == (before, after)
 
