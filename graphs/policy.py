@@ -10,6 +10,9 @@ chunked-prefill size (longer prompts are prefilled in chunks of that size).
 
 # (bucket upper bound, step between buckets up to it); every step is a multiple of the block size 16.
 PREFILL_STEPS = ((256, 16), (1024, 64), (4096, 256), (1 << 30, 512))
+# Buckets up to this many tokens also get a fresh prompt's prefill as one graph (graphs/fresh_prefill.py): up to
+# here the host's per-layer work outlasts the GPU's (BENCHMARKS.md); beyond, the GPU bounds the prefill anyway.
+FRESH_PREFILL_MAX_TOKENS = 2048
 
 
 def decode_batch_sizes(max_running_requests: int) -> list[int]:

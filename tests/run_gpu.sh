@@ -11,7 +11,8 @@
 #   BENCH=sys1,sys2,...    qflash bench --systems ... $BENCH_ARGS (e.g. BENCH_ARGS="--profile-steps 0")
 #   SWITCH_AB=sw1,sw2      tests/switch_ab.py --switches ... $SWITCH_AB_ARGS: the test plugin's run-time switches
 #                          (one_cycle_per_step, plan_stream_off, ...) against the default, on one server
-# Device tool: carry [".gpu"] (a copy of ../shared/device, the offline SGLang bundle); bash tests/run_gpu.sh
+# Device tool: carry [".gpu"] (a copy of ../shared/device, the offline SGLang bundle, and the Triton cache an earlier
+# call returned); bash tests/run_gpu.sh
 set -uo pipefail
 # The device tool brings back at most 8 files: everything is staged, then packed into $OUT/run.tgz, with the
 # benchmark table beside it.
@@ -24,6 +25,9 @@ pack() {  # after each step: a call stopped at its time limit still brings back 
   cp "$OUT/results.md" "$FINAL/" 2>/dev/null
 }
 bash .gpu/install.sh /tmp/site >/dev/null && export PYTHONPATH=/tmp/site
+# A Triton cache from an earlier call (its $OUT/triton-cache.tar.xz, copied into .gpu/) spares each server start its
+# kernel compiles (45 s of 111 variants on a fresh machine, BENCHMARKS.md); this machine's goes back at the end.
+[ -f .gpu/triton-cache.tar.xz ] && mkdir -p ~/.triton && tar -xJf .gpu/triton-cache.tar.xz -C ~/.triton
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 export QFLASH_CACHE=/tmp/qflash-cache PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -94,4 +98,5 @@ if [ -n "${SWITCH_AB:-}" ]; then
   pkill -f sglang.launch_server
 fi
 pack
+[ -d ~/.triton/cache ] && tar -C ~/.triton -cf - cache | xz -6 -T0 > "$FINAL/triton-cache.tar.xz"
 exit $status

@@ -58,6 +58,7 @@ PLAN = "qflash.server.window.plan_cycles"
 PLAN_STREAM = "sglang.srt.speculative.dflash_info_v2._get_overlap_plan_stream"
 GLUE = "qflash.graphs.glue.GlueGraphs.run"
 CYCLE = "qflash.server.hooks.cycle_graphs.run_cycle"
+FRESH = "qflash.graphs.fresh_prefill.replay"
 LOGPROBS = "sglang.srt.layers.logprob_processor.compute_spec_v2_logprobs"
 
 CAND = torch.tensor([[7, 1, 2, 3, 4], [7, 1, 2, 3, 4], [7, 1, 2, 3, 4]])  # block of K=5: current token + 4 drafts
@@ -89,9 +90,10 @@ def sample_kwargs(target: str) -> dict:
 
 
 def test_the_plugin_wraps_the_targets_this_test_knows():
-    assert set(plugin().HOOKS) == {TRITON_ACCEPT, EAGER_ACCEPT, FOLD, KV, CARRY, PLAN, PLAN_STREAM, GLUE, CYCLE, LOGPROBS}
-    assert plugin().FAULTS == ["accept_off_by_one", "cycle_eager", "drafter_kv_shift", "gdn_state_wrong_step", "glue_eager",
-                               "logprobs_one_position_late", "one_cycle_per_step",
+    assert set(plugin().HOOKS) == {TRITON_ACCEPT, EAGER_ACCEPT, FOLD, KV, CARRY, PLAN, PLAN_STREAM, GLUE, CYCLE, LOGPROBS,
+                                   FRESH}
+    assert plugin().FAULTS == ["accept_off_by_one", "cycle_eager", "drafter_kv_shift", "fresh_prefill_off",
+                               "gdn_state_wrong_step", "glue_eager", "logprobs_one_position_late", "one_cycle_per_step",
                                "plan_stream_off", "plan_stream_on", "stale_cache_checkpoint", "window_2", "window_4",
                                "window_stale_bonus"]
 
@@ -345,6 +347,19 @@ def cycle():
     return "graphed" if Batch.asked else "eager"
 
 
+from qflash.graphs import fresh_prefill
+
+
+class Graph:
+    def replay(self):
+        pass
+
+
+def fresh():
+    fresh_prefill.GRAPHS["a bucket"] = Graph()
+    return "whole" if fresh_prefill.replay("a bucket", graphed=True) else "breakable"
+
+
 from qflash.server.hooks import logprobs as logprob_hook
 
 
@@ -365,7 +380,7 @@ for fault in ["", *faults.FAULTS, ""]:
     Path(os.environ["QFLASH_FAULTS_FILE"]).write_text(fault)
     out["runs"].append([fault, {"accept": accept(), "commit": commit(), "kv": append(), "carry": carry(), "plan": plan(),
                                 "plan_stream": plan_stream(), "glue": glue(), "cycle": cycle(),
-                                "logprobs": logprobs()}])
+                                "logprobs": logprobs(), "fresh": fresh()}])
     out["drops"].append(not captured.graphs)
 print(json.dumps(out))
 """
@@ -381,6 +396,7 @@ CLEAN = {
     "glue": ["a layout"],
     "cycle": "graphed",
     "logprobs": [0, 1, 2, 3, 4, 5, 6, 7],
+    "fresh": "whole",
 }
 FAULTY = {  # what each fault changes of CLEAN
     "accept_off_by_one": {"accept": {"eager": [[3, 4, 1], [9, 5, 8]],
@@ -397,6 +413,7 @@ FAULTY = {  # what each fault changes of CLEAN
     "plan_stream_on": {},
     "glue_eager": {"glue": []},
     "cycle_eager": {"cycle": "eager"},
+    "fresh_prefill_off": {"fresh": "breakable"},
     "logprobs_one_position_late": {"logprobs": [1, 2, 3, 0, 5, 6, 7, 4]},
 }
 

@@ -10,7 +10,8 @@ a model runner's captured forward, whose work a wrapper could not switch on and 
 while the file names that fault; where qflash's glue graphs (graphs/glue.py) hold such a call, a change of the
 named fault drops them, so they are captured again as the call now runs. A few names are switches rather than
 faults, for a reference or an A/B on one server: the window planner held to one cycle per step, the overlap plan
-stream off or on, the glue eager, the window's cycles without their whole-cycle graph. The file is re-read when it changes
+stream off or on, the glue eager, the window's cycles without their whole-cycle graph, a fresh prompt's prefill
+without its whole graph. The file is re-read when it changes
 (one os.stat per call), so one server runs clean, faulty, then clean again; with the file empty or missing, every
 call passes through unchanged.
 
@@ -158,6 +159,13 @@ def cycle_eager(kw: dict) -> dict:
     return kw
 
 
+def fresh_prefill_off(kw: dict) -> dict:
+    """Not a fault: a fresh prompt's prefill replays SGLang's breakable graph instead of qflash's whole one
+    (graphs/fresh_prefill.py), the whole graph's reference."""
+    kw["graphed"] = False
+    return kw
+
+
 def window_of(cycles: int):
     """Not a fault: the window planner allows at most `cycles` per step (1: as SGLang runs, the windows' reference)."""
     def switch(kw: dict) -> dict:
@@ -170,10 +178,11 @@ def window_of(cycles: int):
 WORKER = "sglang.srt.speculative.dflash_worker_v2."
 FOLD = "sglang.kernels.ops.attention.fla.gdn_replayssm_spec_fold.commit_gdn_replayssm_fold_after_verify"
 # target -> {fault: how it changes the call's keyword arguments}; every call site passes them by keyword.
-# All are called from DFlashWorkerV2.forward_batch_generation's own Python, after the target's forward (a CUDA
-# graph replay: the verify's, or prefill's piecewise one) has returned and outside the draft forward (the drafter's
-# graph); none is reached from a model runner's forward. A window's cycle graph holds them all (their device work,
-# as the fault named at its capture had it), the fold also the GDN-commit graph.
+# All but the last are called from DFlashWorkerV2.forward_batch_generation's own Python, after the target's forward
+# (a CUDA graph replay: the verify's, or prefill's piecewise one) has returned and outside the draft forward (the
+# drafter's graph); none is reached from a model runner's forward. A window's cycle graph holds them all (their
+# device work, as the fault named at its capture had it), the fold also the GDN-commit graph. The last chooses, on
+# the host, which of a prefill bucket's graphs replays.
 TARGETS = {
     WORKER + "_compute_dflash_accept_bonus_triton_unchecked": {"accept_off_by_one": accept_off_by_one},
     WORKER + "compute_dflash_correct_drafts_and_bonus": {"accept_off_by_one": accept_off_by_one},
@@ -187,6 +196,8 @@ TARGETS = {
                                          "window_4": window_of(4)},
     "qflash.graphs.glue.GlueGraphs.run": {"glue_eager": glue_eager},
     "qflash.server.hooks.cycle_graphs.run_cycle": {"cycle_eager": cycle_eager},
+    # the prefill's, from qflash's hook around the breakable graph's replay
+    "qflash.graphs.fresh_prefill.replay": {"fresh_prefill_off": fresh_prefill_off},
 }
 # switches that set an SGLang environment variable for the calls of the target that reads it
 ENV_SWITCHES = {"plan_stream_off": ("SGLANG_ENABLE_OVERLAP_PLAN_STREAM", "0"),
