@@ -48,9 +48,8 @@ def capture(key, body, *, pool, stream) -> None:
 
     _capture.active = True
     try:
-        _capture.metadata = None
         body()
-        _capture.metadata = None
+        _capture.metadata = None  # the warm-up's: the capture records its own
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
