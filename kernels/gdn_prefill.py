@@ -3,7 +3,7 @@
 SGLang 0.5.17 prefills a GDN layer with FLA's chunked kernels (`chunk_gated_delta_rule`: two l2-norms, a
 cumsum, the intra-chunk solve, the chunk states, the output), launched eagerly between the pieces of the
 prefill graph: their host launch time, not their GPU work, sets a short prompt's prefill. One recurrent
-kernel over the prompt, on the GDN verify's state tile (kernels/gdn_verify.py), launches once; its GPU time
+kernel over the prompt, on the GDN fold's state tile (kernels/gdn_verify.py), launches once; its GPU time
 grows with the prompt's length (one step per token), so it serves prompts up to `MAX_TOKENS`.
 
 It is the chunked path's contract: reads each request's state from its slot, writes the final state back
@@ -86,4 +86,4 @@ CHUNK = 64  # FLA's chunk: h holds the state before every CHUNK tokens of each r
 # this kernel's GPU time (growing with the prompt) passes the chunks' host launch time (`qflash bench-kernels`). That
 # depends on the host, so QFLASH_GDN_PREFILL_MAX_TOKENS moves the limit (0: always SGLang's chunks).
 MAX_TOKENS = int(os.environ.get("QFLASH_GDN_PREFILL_MAX_TOKENS", "256"))
-CONFIG = {"BV": 4, "num_warps": 1, "num_stages": 3}  # the GDN verify's tile for one request (gdn_verify.CONFIGS)
+CONFIG = {"BV": 4, "num_warps": 1, "num_stages": 3}  # the GDN fold's tile for one request (gdn_verify.FOLD_CONFIGS)

@@ -1,14 +1,14 @@
-"""Gated-DeltaNet target verify and its commit fold (SGLang's ReplaySSM spec path) on narrower state tiles.
+"""Gated-DeltaNet target verify and its commit fold (SGLang's ReplaySSM spec path).
 
 SGLang 0.5.17 verifies 16 draft tokens per request through a GDN layer with its recurrent kernel
-(`fused_sigmoid_gating_delta_rule_update_kernel`, ring-writing mode) on one warp per 128 x 32 state tile:
-128 programs, one per SM. Each step sums over the 128 key rows twice, cross-lane shuffles in that one warp,
-and nothing else on the SM hides them. Tiles of BV < 32 value columns put 32 / BV warps on each SM and cut
-each warp's shuffles by as much.
+(`fused_sigmoid_gating_delta_rule_update_kernel`, ring-writing mode): one warp per 128 x 32 state tile, one
+step after another, each step summing over the 128 key rows twice in cross-lane shuffles, 16 dependent steps
+that nothing hides. qflash's verify solves the block's 16 steps at once (`_block`: the gated delta rule unrolled
+over the block: a triangular system and matrix products), which gives the same outputs up to fp32 rounding.
 
-The commit replays the accepted steps from the ring (raw k, raw v, gate, beta) into the state; it must
-give the verify's bits, which SGLang's fold does only for SGLang's tile. So both kernels are here, run one
-step function (`_update`) on one tile (`config_for`), and write and read the same rings as SGLang's.
+The commit replays the accepted steps from the ring (raw k, raw v, gate, beta) into the state one at a time
+(`_update`, SGLang's expressions and order), on narrower tiles than SGLang's fold, so several warps share
+each SM. The verify writes the rings SGLang's does, bit for bit.
 """
 
 import torch
@@ -42,64 +42,78 @@ def _program_sequence(cu_seqlens, H: tl.constexpr, HV: tl.constexpr):
     return i_v, i_n, i_hv, i_hv // (HV // H), bos, eos
 
 
+@triton.jit
+def _merge(inverse, a, o_t, HALF: tl.constexpr):
+    """The inverse of I + A within diagonal blocks of 2 * HALF steps, from the inverse within blocks of HALF: the
+    block [[X, 0], [C, Y]] has the inverse [[X^-1, 0], [-Y^-1 C X^-1, Y^-1]], a substitution by halves (entries
+    stay those of true inverses, no cancelling powers of A)."""
+    c = tl.where((o_t[:, None] // (2 * HALF) == o_t[None, :] // (2 * HALF)) & (o_t[:, None] // HALF != o_t[None, :] // HALF),
+                 a, 0.0)
+    return inverse - tl.dot(tl.dot(inverse, c, input_precision="ieee"), inverse, input_precision="ieee")
+
+
+@triton.jit
+def _block(b_h, b_qn, b_kn, b_v, b_g, b_beta, o_t, BT: tl.constexpr):
+    """The outputs [BT, BV] of BT steps of the gated delta rule from the state b_h [K, BV] (rows past the sequence
+    have zero gate and beta). Unrolled, the steps' updates u solve the triangular system
+    (I + A) u = beta (v - decay k S0), A[t, i] = beta_t (k_t . k_i) decay_t / decay_i for i < t. Products in
+    tf32x3 (fp32's accuracy on tensor cores: fp32 FMA products of these shapes spill registers)."""
+    tl.static_assert(BT == 16, "the inverse is merged from pairs to 16 steps")
+    g_cum = tl.cumsum(b_g, 0)
+    within = o_t[:, None] >= o_t[None, :]
+    decay = tl.exp(tl.where(within, g_cum[:, None] - g_cum[None, :], 0.0))
+    kk = tl.dot(b_kn, tl.trans(b_kn), input_precision="tf32x3")
+    a = tl.where(o_t[:, None] > o_t[None, :], b_beta[:, None] * kk * decay, 0.0)
+    pairs = (o_t[:, None] // 2 == o_t[None, :] // 2) & (o_t[:, None] != o_t[None, :])
+    inverse = (o_t[:, None] == o_t[None, :]).to(tl.float32) - tl.where(pairs, a, 0.0)
+    inverse = _merge(_merge(_merge(inverse, a, o_t, 2), a, o_t, 4), a, o_t, 8)
+    ks = tl.dot(b_kn, b_h, input_precision="tf32x3")
+    u = tl.dot(inverse, b_beta[:, None] * (b_v - tl.exp(g_cum)[:, None] * ks), input_precision="tf32x3")
+    qk = tl.where(within, tl.dot(b_qn, tl.trans(b_kn), input_precision="tf32x3") * decay, 0.0)
+    return tl.exp(g_cum)[:, None] * tl.dot(b_qn, b_h, input_precision="tf32x3") + tl.dot(qk, u, input_precision="tf32x3")
+
+
 @triton.jit(do_not_specialize=["T"])
 def _gdn_verify_kernel(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b, o, h0_source, h0_indices,
                    stride_h0_source, cu_seqlens, scale, T, stride_a, stride_q, stride_k, stride_v, stride_b,
                    rawv, rawk, ring_g, ring_beta, stride_rawv_slot, stride_rawk_slot, stride_g_slot,
                    stride_beta_slot, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BV: tl.constexpr, MAX_CACHE_LEN: tl.constexpr, PDL: tl.constexpr):
+                   BV: tl.constexpr, BT: tl.constexpr, MAX_CACHE_LEN: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)
     i_v, i_n, i_hv, i_h, bos, eos = _program_sequence(cu_seqlens, H, HV)
-    T = eos - bos  # this sequence's steps; the argument is all sequences' (unspecialized, as SGLang's)
+    step = tl.arange(0, BT)
+    live = step < eos - bos  # this sequence's steps, at most BT (the launcher's contract)
 
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
-    p_q = q + bos * stride_q + i_h * K + o_k
-    p_k = k + bos * stride_k + i_h * K + o_k
-    p_v = v + bos * stride_v + i_hv * V + o_v
-    p_b = b + bos * stride_b + i_hv
-    p_a = a + bos * stride_a + i_hv
-    p_o = o + (bos * HV + i_hv) * V + o_v
-
     slot = tl.load(h0_indices + i_n).to(tl.int64)
     tile = i_hv * K * V + o_v[None, :] * K + o_k[:, None]
     b_h = tl.load(h0_source + slot * stride_h0_source + tile, mask=(slot >= 0) & (tile >= 0), other=0.0)  # as the fold
-    b_A_log = tl.load(A_log + i_hv).to(tl.float32)
-    b_dt_bias = tl.load(dt_bias + i_hv).to(tl.float32)
-    ring_v = rawv + slot * stride_rawv_slot + i_hv * MAX_CACHE_LEN * V + o_v
-    ring_k = rawk + slot * stride_rawk_slot + i_h * MAX_CACHE_LEN * K + o_k
-    ring_gate = ring_g + slot * stride_g_slot + i_hv * MAX_CACHE_LEN
-    ring_b = ring_beta + slot * stride_beta_slot + i_hv * MAX_CACHE_LEN
+    row = (bos + step)[:, None]
+    b_q = tl.load(q + row * stride_q + i_h * K + o_k[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    b_k = tl.load(k + row * stride_k + i_h * K + o_k[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    b_v = tl.load(v + row * stride_v + i_hv * V + o_v[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    b_b = tl.load(b + (bos + step) * stride_b + i_hv, mask=live, other=0.0).to(tl.float32)
+    b_a = tl.load(a + (bos + step) * stride_a + i_hv, mask=live, other=0.0).to(tl.float32)
+    x = b_a + tl.load(dt_bias + i_hv).to(tl.float32)
+    beta_x = softplus_beta * x
+    softplus_x = tl.where(beta_x <= softplus_threshold, (1.0 / softplus_beta) * tl.log(1.0 + tl.exp(beta_x)), x)
+    b_g = tl.where(live, -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * softplus_x, 0.0)
+    b_beta = tl.where(live, 1.0 / (1.0 + tl.exp(-b_b)), 0.0)
 
-    for step in range(0, T):
-        b_q = tl.load(p_q).to(tl.float32)
-        b_k = tl.load(p_k).to(tl.float32)
-        b_v = tl.load(p_v).to(tl.float32)
-        b_b = tl.load(p_b).to(tl.float32)
-        b_a = tl.load(p_a).to(tl.float32)
-        x = b_a + b_dt_bias
-        beta_x = softplus_beta * x
-        softplus_x = tl.where(beta_x <= softplus_threshold, (1.0 / softplus_beta) * tl.log(1.0 + tl.exp(beta_x)), x)
-        b_g = -tl.exp(b_A_log) * softplus_x
-        b_beta = 1.0 / (1.0 + tl.exp(-b_b))
+    ringed = live & (step < MAX_CACHE_LEN) & (slot >= 0)  # the fold's ring: steps past it are never committed
+    ring_v = rawv + slot * stride_rawv_slot + (i_hv * MAX_CACHE_LEN + step[:, None]) * V + o_v[None, :]
+    tl.store(ring_v, b_v.to(rawv.dtype.element_ty), mask=ringed[:, None])
+    if i_v == 0:
+        ring_k = rawk + slot * stride_rawk_slot + (i_h * MAX_CACHE_LEN + step[:, None]) * K + o_k[None, :]
+        tl.store(ring_k, b_k.to(rawk.dtype.element_ty), mask=ringed[:, None])
+        tl.store(ring_g + slot * stride_g_slot + i_hv * MAX_CACHE_LEN + step, b_g, mask=ringed)
+        tl.store(ring_beta + slot * stride_beta_slot + i_hv * MAX_CACHE_LEN + step, b_beta, mask=ringed)
 
-        if slot >= 0 and step < MAX_CACHE_LEN:  # the fold's ring: steps past it are never committed
-            tl.store(ring_v + step * V, b_v.to(rawv.dtype.element_ty))
-            if i_v == 0:
-                tl.store(ring_k + step * K, b_k.to(rawk.dtype.element_ty))
-                tl.store(ring_gate + step, b_g)
-                tl.store(ring_b + step, b_beta)
-
-        b_qn = _l2_normalize(b_q) * scale
-        b_h = _update(b_h, _l2_normalize(b_k), b_v, b_g, b_beta)
-        tl.store(p_o, tl.sum(b_h * b_qn[:, None], 0).to(p_o.dtype.element_ty))
-
-        p_q += stride_q
-        p_k += stride_k
-        p_v += stride_v
-        p_b += stride_b
-        p_a += stride_a
-        p_o += HV * V
+    b_qn = b_q / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None] * scale
+    b_kn = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
+    b_o = _block(b_h, b_qn, b_kn, b_v, b_g, b_beta, step, BT)
+    tl.store(o + ((bos + step) * HV + i_hv)[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=live[:, None])
 
 
 @triton.jit
@@ -145,9 +159,12 @@ def verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, softplus
            replayssm_rawv: torch.Tensor, replayssm_rawk: torch.Tensor, replayssm_g: torch.Tensor,
            replayssm_beta: torch.Tensor, scale: float | None = None, config: dict | None = None) -> torch.Tensor:
     """SGLang's `fused_sigmoid_gating_delta_rule_update(..., use_qk_l2norm_in_kernel=True, disable_state_update=True,
-    cache_ring=True)` for GDN with varlen sequences: q, k [1, T, H, K], v [1, T, HV, V], a, b [T, HV], the fp32
-    state [slots, HV, V, K] read only, the per-layer rings written; returns o [1, T, HV, V]. config: the bench's."""
-    config = config or config_for(len(cu_seqlens) - 1)
+    cache_ring=True)` for GDN with one block of BLOCK_STEPS tokens per request (`takes`): q, k [1, T, H, K],
+    v [1, T, HV, V], a, b [T, HV], the fp32 state [slots, HV, V, K] read only, the per-layer rings written; returns
+    o [1, T, HV, V]. config: the bench's."""
+    if not takes(k, cu_seqlens):
+        raise ValueError(f"the GDN verify takes {BLOCK_STEPS} tokens per request, not {k.shape[1]} for {len(cu_seqlens) - 1}")
+    config = config or config_for(VERIFY_CONFIGS, len(cu_seqlens) - 1)
     _, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     check_shape(K, V, config)
@@ -157,7 +174,7 @@ def verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, softplus
         initial_state_indices, initial_state_source.stride(0), cu_seqlens, K ** -0.5 if scale is None else scale, T,
         a.stride(-2), q.stride(1), k.stride(1), v.stride(1), b.stride(-2), replayssm_rawv, replayssm_rawk,
         replayssm_g, replayssm_beta, replayssm_rawv.stride(0), replayssm_rawk.stride(0), replayssm_g.stride(0),
-        replayssm_beta.stride(0), H=H, HV=HV, K=K, V=V, MAX_CACHE_LEN=replayssm_rawv.shape[-2], **config,
+        replayssm_beta.stride(0), H=H, HV=HV, K=K, V=V, BT=BLOCK_STEPS, MAX_CACHE_LEN=replayssm_rawv.shape[-2], **config,
         **pdl.options(q.device))
     return o
 
@@ -170,7 +187,7 @@ def fold_all_layers(checkpoint_state: torch.Tensor, rawv_cache: torch.Tensor, ra
     """SGLang's `commit_gdn_replayssm_fold_all_layers` (same arguments) on qflash's tile: replays each request's
     accepted steps of every layer into checkpoint_state [layers, slots, HV, V, K] in place. config: the bench's."""
     assert use_qk_l2norm_in_kernel and null_block_id == -1, "the GDN verify above normalizes q and k; -1 is no slot"
-    config = config or config_for(ssm_state_indices.shape[0])
+    config = config or config_for(FOLD_CONFIGS, ssm_state_indices.shape[0])
     layers, _, HV, V, K = checkpoint_state.shape
     check_shape(K, V, config)
     has_track = mamba_track_indices is not None and mamba_steps_to_track is not None
@@ -182,17 +199,26 @@ def fold_all_layers(checkpoint_state: torch.Tensor, rawv_cache: torch.Tensor, ra
         **config, **pdl.options(checkpoint_state.device))
 
 
+def takes(k: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
+    """Whether a verify is one block per request, as DFLASH's always is (every request verifies its draft block),
+    read from the shapes alone (the lengths in cu_seqlens are on the GPU)."""
+    return k.shape[1] == BLOCK_STEPS * (len(cu_seqlens) - 1)
+
+
 def check_shape(k: int, v: int, config: dict) -> None:
     if k != triton.next_power_of_2(k) or v % config["BV"]:
         raise ValueError(f"GDN heads of {k} keys x {v} values do not fit the {k} x {config['BV']} state tile")
 
 
-def config_for(requests: int) -> dict:
-    """The tile for a batch: the entry for the fewest requests that is at least `requests`, else the widest.
-    The verify and the fold of one cycle see the same batch (a batch of 1 is never padded), so the same tile."""
-    return CONFIGS[min((n for n in CONFIGS if n >= requests), default=max(CONFIGS))]
+def config_for(table: dict, requests: int) -> dict:
+    """A kernel's launch config for a batch: the entry for the fewest requests that is at least `requests`, else
+    the widest."""
+    return table[min((n for n in table if n >= requests), default=max(table))]
 
 
-# The state tile both kernels run, by requests in the batch: BV value columns of all K keys, one warp (its reduction
-# trees are the bits). The fastest tiles of `qflash bench-kernels --skip-gemms` on the H200 (BENCHMARKS.md).
-CONFIGS = {1: {"BV": 4, "num_warps": 1, "num_stages": 3}, 8: {"BV": 16, "num_warps": 1, "num_stages": 3}}
+BLOCK_STEPS = 16  # the verify's steps solved at once (`_block`): DFLASH's block (preset's draft tokens)
+# Launch configs by requests in the batch, the fastest of `qflash bench-kernels --skip-gemms` on the H200
+# (BENCHMARKS.md). The verify: BV value columns of all K keys per program. The fold: BV columns, one warp, the
+# steps one at a time.
+VERIFY_CONFIGS = {1: {"BV": 32, "num_warps": 4, "num_stages": 1}, 8: {"BV": 64, "num_warps": 4, "num_stages": 1}}
+FOLD_CONFIGS = {1: {"BV": 4, "num_warps": 1, "num_stages": 3}, 8: {"BV": 16, "num_warps": 1, "num_stages": 3}}

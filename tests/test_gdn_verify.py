@@ -2,11 +2,12 @@
 
 In one process, SGLang 0.5.17's verify runs first; then qflash's plugin is loaded and the same call (the
 module attribute, by keyword, as SGLang's GDN backend makes it) reaches qflash's verify. Checked:
-- the rings the fold replays are SGLang's bits, the outputs SGLang's values (another tile sums in another order);
+- the rings the fold replays are SGLang's bits, the outputs SGLang's values (qflash solves the block at once,
+  SGLang steps through it: fp32 rounding apart), on keys alike from step to step (far from a diagonal system);
 - resuming: the fold of each request's accepted steps, then the verify of its remaining steps from the folded
-  state, gives the first verify's outputs for those steps bit for bit, so the fold commits the verify's state;
+  state, gives the first verify's outputs for those steps, so the fold commits the verify's state;
 - a prefix-cache checkpoint slot gets the state after its step; the state read by the verify stays untouched;
-- calls without the ring still run SGLang's kernel.
+- calls without the ring, and calls of more than one 16-token block per request, still run SGLang's kernel.
 CPU: Triton's interpreter in fp32 (its bf16 arithmetic is wrong) on small heads; GPU: the Qwen3.5-4B shape
 (16 key heads, 32 value heads of 128) in bf16 with the fp32 state, where the tile's reduction order is real.
 """
@@ -29,15 +30,17 @@ STEPS, SLOTS = 16, 2 * batch + 2
 g = torch.Generator(device=dev).manual_seed(0)
 rand = lambda *shape, dt=dtype: torch.randn(*shape, device=dev, dtype=dt, generator=g)
 T = STEPS * batch
-q, k, v, a, b = rand(1, T, H, K), rand(1, T, H, K), rand(1, T, HV, V), rand(T, HV), rand(T, HV)
+# keys alike from step to step and beta near 1, as a repeated token gives: the steps' system is far from diagonal
+q, v, a = rand(1, T, H, K), rand(1, T, HV, V), rand(T, HV)
+k, b = rand(1, 1, H, K) + 0.3 * rand(1, T, H, K), rand(T, HV) + 3
 A_log, dt_bias = rand(HV, dt=torch.float32), rand(HV, dt=torch.float32)
 state = rand(SLOTS, HV, V, K, dt=torch.float32) * 0.1
 slots = torch.arange(1, 2 * batch, 2, device=dev, dtype=torch.int32)
 accept = torch.tensor([6, 1, 15][:batch], device=dev, dtype=torch.int32)  # steps committed per request
 
-def verify(h, q, k, v, a, b, cu, cache_ring=True):
-    rings = [torch.zeros(SLOTS, HV, STEPS, V, device=dev, dtype=dtype), torch.zeros(SLOTS, H, STEPS, K, device=dev, dtype=dtype),
-             torch.zeros(SLOTS, HV, STEPS, device=dev), torch.zeros(SLOTS, HV, STEPS, device=dev)]
+def verify(h, q, k, v, a, b, cu, cache_ring=True, slots=slots, ring=STEPS):
+    rings = [torch.zeros(SLOTS, HV, ring, V, device=dev, dtype=dtype), torch.zeros(SLOTS, H, ring, K, device=dev, dtype=dtype),
+             torch.zeros(SLOTS, HV, ring, device=dev), torch.zeros(SLOTS, HV, ring, device=dev)]
     ring = dict(zip(("replayssm_rawv", "replayssm_rawk", "replayssm_g", "replayssm_beta"), rings)) if cache_ring else {}
     o = recurrent.fused_sigmoid_gating_delta_rule_update(
         A_log=A_log, dt_bias=dt_bias, q=q, k=k, v=v, a=a, b=b, initial_state_source=h, initial_state_indices=slots,
@@ -49,10 +52,16 @@ cu = torch.arange(0, T + 1, STEPS, device=dev, dtype=torch.int32)
 h = state.clone()
 stock, stock_rings = verify(h, q, k, v, a, b, cu)
 stock_decode = verify(h.clone(), q, k, v, a, b, cu, cache_ring=False)[0]
+LONG = 2 * STEPS + 5  # one request of more than one block (SGLang's kernel needs a ring as long)
+cu_long = torch.tensor([0, LONG], device=dev, dtype=torch.int32)
+long_args = (rand(1, LONG, H, K), rand(1, 1, H, K) + 0.3 * rand(1, LONG, H, K), rand(1, LONG, HV, V), rand(LONG, HV),
+             rand(LONG, HV) + 3, cu_long)
+stock_long, stock_long_rings = verify(h, *long_args, slots=slots[:1], ring=LONG)
 from sglang.srt.plugins import load_plugins
 load_plugins()
 mine, rings = verify(h, q, k, v, a, b, cu)
 mine_decode = verify(h.clone(), q, k, v, a, b, cu, cache_ring=False)[0]
+mine_long, long_rings = verify(h, *long_args, slots=slots[:1], ring=LONG)
 
 # fold each request's accepted steps (request 0 also checkpoints after its step 3), then verify the rest
 folded, track_slot = h.clone(), SLOTS - 1
@@ -71,14 +80,15 @@ cu_rest = torch.nn.functional.pad((STEPS - accept).cumsum(0), (1, 0)).to(torch.i
 resumed, _ = verify(folded, q[:, rest], k[:, rest], v[:, rest], a[rest], b[rest], cu_rest)
 untouched = [s for s in range(SLOTS) if s not in slots.tolist() + [track_slot]]
 
-err = ((mine.double() - stock.double()).norm() / stock.double().norm()).item()
+error = lambda x, y: ((x.double() - y.double()).norm() / y.double().norm()).item()
 hooked_by = lambda fn: sorted({getattr(c.cell_contents, "__module__", "") for c in fn.__closure__ or ()} - {"", None})
 print(json.dumps({"routed": hooked_by(recurrent.fused_sigmoid_gating_delta_rule_update),
                   "fold": hooked_by(fold.commit_gdn_replayssm_fold_all_layers),
                   "rings equal": [torch.equal(x, y) for x, y in zip(stock_rings, rings)],
                   "rings written": [bool(r[slots.long()].abs().sum() > 0) for r in rings],
-                  "output error": err, "finite": bool(mine.isfinite().all()),
-                  "resumed": torch.equal(resumed, mine[:, rest]),
+                  "output error": error(mine, stock), "finite": bool(mine.isfinite().all()),
+                  "longer block": torch.equal(mine_long, stock_long) and all(map(torch.equal, stock_long_rings, long_rings)),
+                  "resumed error": error(resumed, mine[:, rest]),
                   "checkpoint": torch.equal(folded[track_slot], four[slots[0]]),
                   "folded moved": not torch.equal(folded[slots.long()], h[slots.long()]),
                   "verify kept the state": torch.equal(h, state),
@@ -99,9 +109,10 @@ def check(got: dict, tolerance: float) -> None:
     assert "qflash.server.hooks.gdn_verify" in got["routed"] and "qflash.server.hooks.gdn_verify" in got["fold"]
     assert got["rings equal"] == got["rings written"] == [True] * 4, "raw v, raw k, gate, beta"
     assert got["finite"] and got["output error"] <= tolerance, got["output error"]
-    assert got["resumed"], "verify after the fold gives the first verify's outputs"
+    assert got["resumed error"] <= tolerance, "verify after the fold gives the first verify's outputs"
     assert got["checkpoint"] and got["folded moved"] and got["verify kept the state"] and got["others untouched"]
     assert got["without the ring"], "a call without the ring runs SGLang's kernel"
+    assert got["longer block"], "a call of more than 16 tokens per request runs SGLang's kernel"
 
 
 @pytest.mark.parametrize("batch", [1, 3])  # the tiles for one request and for more
@@ -114,3 +125,10 @@ def test_tiled_verify_and_fold(batch):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_tiled_verify_and_fold_at_the_real_shape_gpu(batch):
     check(tiled_verify("cuda", batch, 16, 32, 128, 128), 4e-3)  # bf16 outputs: a last-bit rounding here and there
+
+
+def test_the_verify_block_is_dflashs_block():
+    from qflash.kernels import gdn_verify
+    from qflash.server import preset
+
+    assert gdn_verify.BLOCK_STEPS == preset.BLOCK_SIZE, "every DFLASH verify must reach the block-solved kernel"

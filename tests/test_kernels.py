@@ -15,7 +15,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from qflash.kernels import block_attention, config_table, per_token_quant, w8a16_argmax, w8a16_gemm, w8a8_gemm
+from qflash.kernels import block_attention, config_table, gdn_verify, per_token_quant, w8a16_argmax, w8a16_gemm, w8a8_gemm
 from qflash.server.tools import shapes
 from qflash.server import preset
 from conftest import REPO, run_python
@@ -189,13 +189,14 @@ def test_shapes_follow_from_the_preset():
 
 
 def test_bench_kernels_gdn_table_renders():
-    from qflash.server.tools.bench_kernels import GDN_TILES, render_gdn
+    from qflash.server.tools.bench_kernels import FOLD_TILES, VERIFY_TILES, render_gdn
 
     row = {"batch": 1, "sglang_verify_us": 29.9, "sglang_fold_us": 56.0,
-           **{f"verify_{bv}_us": 10.0 + bv for bv in GDN_TILES}, **{f"fold_{bv}_us": None for bv in GDN_TILES}}
-    table = render_gdn([row])
-    assert table.splitlines()[0].count("|") == 3 + len(GDN_TILES)
-    assert "| 1 | 29.9 / 56.0 | 14.0 / - | 18.0 / - | 26.0 / - | 42.0 / - |" in table
+           **{f"verify_{bv}x{w}_us": bv + w / 10 for bv, w in VERIFY_TILES}, **{f"fold_{bv}_us": None for bv in FOLD_TILES}}
+    lines = render_gdn([row]).splitlines()
+    assert lines[2].count("|") == 3 + len(VERIFY_TILES) and lines[-3].count("|") == 3 + len(FOLD_TILES)
+    assert "| 1 | 29.9 | 16.2 | 16.4 | 32.4 | 32.8 | 64.4 | 64.8 |" in lines
+    assert "| 1 | 56.0 | - | - | - | - |" in lines
 
 
 def test_bench_kernels_gdn_prefill_table_renders():
@@ -269,6 +270,17 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
                 compile_for_sm90(block_attention._merge_block_kernel, pointers,
                                  {**common, "CAUSAL": causal, "BLOCK_N": config["BLOCK_N"], "num_warps": 4})
         done.append(("block_attention", config, None))
+    heads = dict(H=16, HV=32, K=128, V=128, MAX_CACHE_LEN=gdn_verify.BLOCK_STEPS)  # Qwen3.5-4B's GDN
+    pointers = {name: "*bf16" for name in ("a", "q", "k", "v", "b", "o", "rawv", "rawk")} | {
+        name: "*fp32" for name in ("A_log", "dt_bias", "h0_source", "ring_g", "ring_beta", "state")} | {
+        name: "fp32" for name in ("softplus_beta", "softplus_threshold", "scale")} | {
+        name: "*i32" for name in ("h0_indices", "cu_seqlens", "slots", "accept_lens", "track_slots", "track_steps")}
+    for config in distinct(gdn_verify.VERIFY_CONFIGS.values()):
+        compile_for_sm90(gdn_verify._gdn_verify_kernel, pointers, {**heads, "BT": gdn_verify.BLOCK_STEPS, **config})
+        done.append(("gdn_verify", config, None))
+    for config in distinct(gdn_verify.FOLD_CONFIGS.values()):
+        compile_for_sm90(gdn_verify._gdn_fold_kernel, pointers, {**heads, "HAS_TRACK": True, **config})
+        done.append(("gdn_fold", config, None))
     return done
 
 
@@ -280,7 +292,7 @@ def test_every_table_config_compiles_for_sm90():
     assert result.returncode == 0, result.stderr[-3000:]
     done = json.loads(result.stdout.strip().splitlines()[-1])
     tables = [*w8a8_gemm.CONFIGS.values(), *w8a16_gemm.CONFIGS.values(), *w8a16_argmax.CONFIGS.values(),
-              *block_attention.CONFIGS.values()]
+              *block_attention.CONFIGS.values(), *gdn_verify.VERIFY_CONFIGS.values(), *gdn_verify.FOLD_CONFIGS.values()]
     assert all(c in [d[1] for d in done] for c in tables)
     # int8 tiles of 64+ rows use Hopper's wgmma; decode tiles of 16-32 rows use mma.sync.
     assert all(wgmma == (c["BLOCK_M"] >= 64) for kernel, c, wgmma in done if kernel == "w8a8_gemm")

@@ -54,9 +54,26 @@ def test_summary_per_step_with_idle_time_and_overlapping_streams():
     assert s["launches"] == {"eager kernels": pytest.approx(0.45)}  # no graph replays in this trace: all of busy
     assert s["kernels_per_cycle"] == 3 and s["family_kernels_per_cycle"]["qflash W8A8 GEMM"] == 0.5  # a cycle a step
     table = render(s, "title")
-    assert "| qflash W8A8 GEMM | 0.150 | 15% | 0.5 |" in table and "| GPU idle | 0.550 | 55% | |" in table
-    assert "2 cycles, GPU busy 0.450 ms and 3 kernels per cycle" in table
+    assert "| qflash W8A8 GEMM | 0.150 | 15% | 0.5 | 0.150 |" in table and "| GPU idle | 0.550 | 55% | | |" in table
+    assert "2 cycles, GPU busy 0.450 ms and 3 kernels per cycle." in table
     assert "| eager kernels | 0.450 | 45% |" in table
+    # against the families' byte floors: times per cycle, floors where a family has one
+    table = render(s, "title", {"qflash W8A8 GEMM": 0.1, "Gated-DeltaNet": 0.05})
+    assert "| qflash W8A8 GEMM | 0.150 | 15% | 0.5 | 0.150 (0.100, 1.5x) |" in table
+    assert "| Gated-DeltaNet | 0.100 | 10% | 0.5 | 0.100 (0.050, 2.0x) |" in table
+    assert "| qflash fused argmax | 0.050 | 5% | 0.5 | 0.050 |" in table
+    assert "Byte floor 0.150 ms per cycle (3.0x)." in table
+
+
+def test_the_byte_floor_of_a_cycle():
+    from qflash.server.tools.floors import HBM_TBPS, per_cycle_ms
+
+    short, long = per_cycle_ms(64), per_cycle_ms(8192)
+    # the int8 target body and drafter layers (~4.06 GB), the int8 vocabulary twice (0.64 GB each): issue 23's figures
+    assert short["qflash W8A8 GEMM"] * HBM_TBPS * 1e9 == pytest.approx(4.06e9, rel=0.01)
+    assert short["qflash W8A16 lm_head"] == short["qflash fused argmax"] == pytest.approx(0.636e9 / 4.3e9, rel=0.01)
+    assert 1.3 < sum(short.values()) < sum(long.values()) < 1.45  # only attention grows with the context
+    assert {f for f in short if short[f] != long[f]} == {"attention"}
 
 
 def test_a_kernel_launched_early_under_pdl_is_charged_only_for_its_own_run():

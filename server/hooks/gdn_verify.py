@@ -9,15 +9,16 @@ EAGLE and NGRAM only; what qflash changes for DFLASH:
   makes the fold EAGLE's commit (spec_utils) makes, with the same arguments;
 - the pool: 0.5.17's pool builder refuses the flag under DFLASH for a non-KDA model (for want of that commit);
   the algorithm's name is its guard's only reader, so the builder runs with the name hidden from it;
-- the kernels: SGLang's recurrent kernel runs one warp per 128 x 32 state tile, one per SM; qflash's verify and
-  fold (kernels/gdn_verify.py) run narrower tiles, so several warps share each SM. The fold must give the
-  verify's bits, so both are replaced together: the verify where SGLang's fold path calls it (ring-writing GDN
-  calls only; decode and EAGLE's snapshot calls reach SGLang's kernel), the fold as a whole;
+- the kernels: SGLang's recurrent kernel steps through the block on one warp per 128 x 32 state tile, one per
+  SM; qflash's verify (kernels/gdn_verify.py) solves the 16-token block at once, and its fold replays the accepted
+  steps on narrower tiles, so several warps share each SM. The verify is replaced where SGLang's fold path calls
+  it (ring-writing GDN calls of one 16-token block per request; decode, EAGLE's snapshot calls and other lengths
+  reach SGLang's kernel, whose rings are the same), the fold as a whole;
 - the causal-conv1d update before the verify: SGLang launches 256 channels per program (32 programs for one
   request's 8,192 channels); each channel is a depthwise convolution of its own, so a narrower tile changes how
   many programs share the work and never a result bit. The kernel object is swapped, launched by SGLang's own
   launcher with qflash's BLOCK_N (whose grid divides by the BLOCK_N it launches).
-Retire when SGLang runs ReplaySSM under DFLASH with per-batch GDN tiles.
+Retire when SGLang runs ReplaySSM under DFLASH with a block-solved verify and per-batch GDN fold tiles.
 """
 
 from qflash.server.hooks import Hook, Swap
@@ -69,7 +70,8 @@ def _verify_on_qflash_tiles(original, *, cache_ring: bool = False, is_kda: bool 
 
     if not (cache_ring and not is_kda and kwargs.get("use_qk_l2norm_in_kernel") and kwargs.get("disable_state_update")
             and kwargs.get("cu_seqlens") is not None and kwargs.get("lower_bound") is None
-            and kwargs.get("retrieve_parent_token") is None and kwargs.get("intermediate_states_buffer") is None):
+            and kwargs.get("retrieve_parent_token") is None and kwargs.get("intermediate_states_buffer") is None
+            and gdn_verify.takes(kwargs["k"], kwargs["cu_seqlens"])):
         return original(cache_ring=cache_ring, is_kda=is_kda, **kwargs)
     return gdn_verify.verify(**{k: v for k, v in kwargs.items() if k not in RING_VERIFY_ONLY})
 

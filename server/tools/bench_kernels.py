@@ -22,10 +22,10 @@ from qflash.kernels.w8a16_gemm import w8a16_gemm
 from qflash.kernels.w8a8_gemm import w8a8_gemm
 from qflash.server.launcher import require_gpu
 from qflash.server.preset import BLOCK_SIZE
+from qflash.server.tools.floors import HBM_TBPS
 from qflash.server.tools.shapes import ATTENTION_HEADS, DRAFTER, GDN_HEADS, LM_HEAD, TARGET, TARGET_COUNT
 from qflash.server.tools.timing import cold_us, host_us
 
-HBM_TBPS = 4.3  # device-to-device copy rate measured on the H200 (read + write)
 
 
 def time_us(fn) -> float | None:
@@ -80,12 +80,13 @@ def lm_head_row(m: int) -> dict:
     return row
 
 
-GDN_TILES = (4, 8, 16, 32)  # the value columns per program the GDN verify and fold are timed at
+VERIFY_TILES = ((16, 2), (16, 4), (32, 4), (32, 8), (64, 4), (64, 8))  # (value columns, warps) per GDN verify program
+FOLD_TILES = (4, 8, 16, 32)  # value columns per GDN fold program (one warp)
 
 
 def gdn_row(batch: int) -> dict:
     """One GDN layer's verify of 16 tokens per request (ring-writing) and the fold of all 16 on commit, at the
-    Qwen3.5-4B heads: SGLang's kernels against qflash's at each tile of GDN_TILES."""
+    Qwen3.5-4B heads: SGLang's kernels against qflash's at each tile of VERIFY_TILES and FOLD_TILES."""
     from sglang.kernels.ops.attention.fla.fused_sigmoid_gating_recurrent import fused_sigmoid_gating_delta_rule_update
     from sglang.kernels.ops.attention.fla.gdn_replayssm_spec_fold import commit_gdn_replayssm_fold_all_layers
 
@@ -116,9 +117,11 @@ def gdn_row(batch: int) -> dict:
                **inputs, **rings, use_qk_l2norm_in_kernel=True, is_kda=False, disable_state_update=True,
                cache_ring=True)),
            "sglang_fold_us": time_us(lambda: commit_gdn_replayssm_fold_all_layers(**fold))}
-    for bv in GDN_TILES:
-        config = dict(gdn_verify.CONFIGS[1], BV=bv)
-        row[f"verify_{bv}_us"] = time_us(lambda: gdn_verify.verify(**inputs, **rings, config=config))
+    for bv, warps in VERIFY_TILES:
+        config = dict(gdn_verify.VERIFY_CONFIGS[1], BV=bv, num_warps=warps)
+        row[f"verify_{bv}x{warps}_us"] = time_us(lambda: gdn_verify.verify(**inputs, **rings, config=config))
+    for bv in FOLD_TILES:
+        config = dict(gdn_verify.FOLD_CONFIGS[1], BV=bv)
         row[f"fold_{bv}_us"] = time_us(lambda: gdn_verify.fold_all_layers(**fold, config=config))
     return row
 
@@ -185,11 +188,16 @@ def render_prefill_attention(rows: list[dict]) -> str:
 
 
 def render_gdn(rows: list[dict]) -> str:
-    tiles = " | ".join(f"qflash {bv} cols verify / fold us" for bv in GDN_TILES)
-    out = [f"| requests | SGLang (32 cols) verify / fold us | {tiles} |", "| ---: |" + " ---: |" * (1 + len(GDN_TILES))]
-    for r in rows:
-        cells = " | ".join(f"{_f(r[f'verify_{bv}_us'])} / {_f(r[f'fold_{bv}_us'])}" for bv in GDN_TILES)
-        out.append(f"| {r['batch']} | {_f(r['sglang_verify_us'])} / {_f(r['sglang_fold_us'])} | {cells} |")
+    verify = " | ".join(f"qflash {bv} cols x {warps} warps" for bv, warps in VERIFY_TILES)
+    fold = " | ".join(f"qflash {bv} cols" for bv in FOLD_TILES)
+    out = ["GDN verify of 16 tokens per request, one layer, us:", "", f"| requests | SGLang (32 cols, 1 warp) | {verify} |",
+           "| ---: |" + " ---: |" * (1 + len(VERIFY_TILES))]
+    out += [f"| {r['batch']} | {_f(r['sglang_verify_us'])} | "
+            + " | ".join(_f(r[f"verify_{bv}x{warps}_us"]) for bv, warps in VERIFY_TILES) + " |" for r in rows]
+    out += ["", "GDN fold of 16 steps per request, one layer, us:", "", f"| requests | SGLang (32 cols) | {fold} |",
+            "| ---: |" + " ---: |" * (1 + len(FOLD_TILES))]
+    out += [f"| {r['batch']} | {_f(r['sglang_fold_us'])} | " + " | ".join(_f(r[f"fold_{bv}_us"]) for bv in FOLD_TILES) + " |"
+            for r in rows]
     return "\n".join(out) + "\n"
 
 

@@ -22,6 +22,7 @@ import requests
 
 from qflash.server.launcher import require_gpu
 from qflash.server.preset import PREFIX_CACHE
+from qflash.server.tools import floors
 from qflash.server.tools.systems import (OUTPUT_LEN, SGLANG_SYSTEMS, add_speculation_args, make_prompt, positive_csv,
                                          system_server)
 
@@ -139,16 +140,24 @@ def summarize(trace: dict, steps: int) -> dict:
     }
 
 
-def render(summary: dict, title: str) -> str:
-    window = summary["window_ms"]
+def render(summary: dict, title: str, floors: dict[str, float] | None = None) -> str:
+    """The summary as markdown; with `floors` (floors.per_cycle_ms), each family's time per cycle against its floor."""
+    window, floors = summary["window_ms"], floors or {}
+    per_cycle = summary["steps"] / summary["cycles"]  # a family's ms per step -> per cycle
     lines = [title, "", f"Per step (mean of {summary['steps']}): window {window:.3f} ms, GPU busy "
              f"{summary['gpu_busy_ms']:.3f} ms, GPU idle (host, gaps) {summary['gpu_idle_ms']:.3f} ms; "
              f"{summary['cycles']} cycles, GPU busy {summary['gpu_cycle_ms']:.3f} ms and "
-             f"{summary['kernels_per_cycle']:.0f} kernels per cycle.", "",
-             "| kernel family | ms per step | share of window | kernels per cycle |", "| --- | ---: | ---: | ---: |"]
+             f"{summary['kernels_per_cycle']:.0f} kernels per cycle."
+             + (f" Byte floor {sum(floors.values()):.3f} ms per cycle ({summary['gpu_cycle_ms'] / sum(floors.values()):.1f}x)."
+                if floors else ""), "",
+             "| kernel family | ms per step | share of window | kernels per cycle | ms per cycle (floor, x floor) |",
+             "| --- | ---: | ---: | ---: | ---: |"]
     counts = summary["family_kernels_per_cycle"]
-    lines += [f"| {f} | {v:.3f} | {v / window:.0%} | {counts[f]:.1f} |" for f, v in summary["families"].items()]
-    lines.append(f"| GPU idle | {summary['gpu_idle_ms']:.3f} | {summary['gpu_idle_ms'] / window:.0%} | |")
+    for f, v in summary["families"].items():
+        mine = v * per_cycle
+        against = f" ({floors[f]:.3f}, {mine / floors[f]:.1f}x)" if floors.get(f) else ""
+        lines.append(f"| {f} | {v:.3f} | {v / window:.0%} | {counts[f]:.1f} | {mine:.3f}{against} |")
+    lines.append(f"| GPU idle | {summary['gpu_idle_ms']:.3f} | {summary['gpu_idle_ms'] / window:.0%} | | |")
     lines += ["", "| launched as | ms per step | share of window |", "| --- | ---: | ---: |"]
     lines += [f"| {k} | {v:.3f} | {v / window:.0%} |" for k, v in summary["launches"].items()]
     if summary["host"]:
@@ -202,7 +211,8 @@ def profile_buckets(server, system: str, out: Path, prompt_lens: list[int], step
     for prompt_len, trace_path in found:
         summary = summarize(json.loads(gzip.open(trace_path).read()), steps)
         extra = (" --prefill" if prefill else "") + (" --with-stack" if with_stack else "") + (f" {' '.join(flags)}" if flags else "")
-        table = render(summary, f"`qflash profile --system {system} --prompt-len {prompt_len} --steps {steps}{extra}`: {trace_path.name}")
+        title = f"`qflash profile --system {system} --prompt-len {prompt_len} --steps {steps}{extra}`: {trace_path.name}"
+        table = render(summary, title, floors.per_cycle_ms(prompt_len) if system == "qflash" and not prefill else None)
         (out / f"{system}-{prompt_len}{kind}-profile.md").write_text(table)
         report[prompt_len] = summary
         print(table)

@@ -34,7 +34,8 @@ DRAFTER = [
 LM_HEAD = ("lm_head", _t["vocab_size"], HIDDEN)
 
 # How often each target GEMM runs in one forward, from the layer types.
-_gdn = sum(kind == "linear_attention" for kind in _t["layer_types"])
-_attn = _t["num_hidden_layers"] - _gdn
-TARGET_COUNT = {"gdn.in_proj_qkvz": _gdn, "gdn.in_proj_ba": _gdn, "gdn.out_proj": _gdn, "attn.qkv_proj": _attn,
-                "attn.o_proj": _attn, "mlp.gate_up_proj": _t["num_hidden_layers"], "mlp.down_proj": _t["num_hidden_layers"]}
+GDN_LAYERS = sum(kind == "linear_attention" for kind in _t["layer_types"])
+ATTENTION_LAYERS = _t["num_hidden_layers"] - GDN_LAYERS
+TARGET_COUNT = {"gdn.in_proj_qkvz": GDN_LAYERS, "gdn.in_proj_ba": GDN_LAYERS, "gdn.out_proj": GDN_LAYERS,
+                "attn.qkv_proj": ATTENTION_LAYERS, "attn.o_proj": ATTENTION_LAYERS,
+                "mlp.gate_up_proj": _t["num_hidden_layers"], "mlp.down_proj": _t["num_hidden_layers"]}
