@@ -56,8 +56,9 @@ def _merge(inverse, a, o_t, HALF: tl.constexpr):
 def _block(b_h, b_qn, b_kn, b_v, b_g, b_beta, o_t, BT: tl.constexpr):
     """The outputs [BT, BV] of BT steps of the gated delta rule from the state b_h [K, BV] (rows past the sequence
     have zero gate and beta). Unrolled, the steps' updates u solve the triangular system
-    (I + A) u = beta (v - decay k S0), A[t, i] = beta_t (k_t . k_i) decay_t / decay_i for i < t. Products in
-    tf32x3 (fp32's accuracy on tensor cores: fp32 FMA products of these shapes spill registers)."""
+    (I + A) u = beta (v - decay k S0), A[t, i] = beta_t (k_t . k_i) decay_t / decay_i for i < t. Products with the
+    K = 128 keys in tf32x3 (fp32's accuracy on tensor cores: in fp32 FMA they spill registers); the 16 x 16 merges
+    of the inverse in fp32."""
     tl.static_assert(BT == 16, "the inverse is merged from pairs to 16 steps")
     g_cum = tl.cumsum(b_g, 0)
     within = o_t[:, None] >= o_t[None, :]
