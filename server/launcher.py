@@ -1,4 +1,5 @@
-"""`qflash serve`: start SGLang with the qflash preset, wait until it answers with qflash in place, print its URL.
+"""`qflash serve`: start SGLang with the qflash preset, wait until it answers with qflash in place, print its URL
+(with `--replicas N`, N such servers and SGLang's router in front of them: server/replicas.py).
 
 The server is SGLang's own `sglang.launch_server`, run as a child process group; qflash reaches into it only
 through its plugin (SGLANG_PLUGINS). `qflash bench` starts the stock systems with the same class. Nothing heavy
@@ -163,6 +164,17 @@ class ServerProcess:
             self.proc.wait()
 
 
+def wait_ready_with_qflash(server: ServerProcess) -> tuple[float, str]:
+    """Wait until a started server answers with qflash's plugin in place, then warm it up: the seconds to ready and
+    the plugin's line from the log."""
+    took = server.wait_ready()
+    applied = [line for line in server.log().splitlines() if line.startswith("qflash: ") and APPLIED_MARK in line]
+    if not applied:
+        raise ServerDied("the server started without qflash's SGLang plugin (is qflash installed in this Python?)")
+    warm_up_and_freeze_gc(server)
+    return took, applied[0]
+
+
 def warm_up_and_freeze_gc(server: ServerProcess) -> None:
     """What `qflash serve` does once the server answers: the warm-up (server/warm_up.py), then `freeze_gc`."""
     print(warm_up.run(server.post), flush=True)
@@ -192,6 +204,12 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def require_gpu() -> None:
     if not cuda_available():
         raise UserError("no CUDA GPU is visible; qflash serves on an NVIDIA GPU (sm80 or newer)", code=1)
@@ -210,7 +228,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=PORT, help=f"(default {PORT})")
     p.add_argument("--api-key", default=os.environ.get("QFLASH_API_KEY"),
                    help="require `Authorization: Bearer KEY` on every route but /health (default: $QFLASH_API_KEY)")
-    p.add_argument("--log", type=Path, help="server log file (default: ~/.cache/qflash/logs/server-PORT.log)")
+    p.add_argument("--log", type=Path, help="server log file (default: ~/.cache/qflash/logs/server-PORT.log; with "
+                   "--replicas its folder holds each replica's and the router's)")
     p.add_argument("--dry-run", action="store_true", help="print the SGLang command and exit")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=PREFIX_CACHE,
                    help="SGLang's radix cache with qflash's DFLASH fixes (default: on)")
@@ -222,6 +241,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"largest top_logprobs a request may ask for (default {REQUEST_LIMITS['max_top_logprobs']})")
     p.add_argument("--max-request-mb", type=float, default=REQUEST_LIMITS["max_request_bytes"] / 2**20,
                    help=f"largest request body in MiB (default {REQUEST_LIMITS['max_request_bytes'] >> 20})")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="N servers, one per visible GPU, behind SGLang's router at --host/--port (needs the scale extra)")
+    p.add_argument("--share-gpus", action="store_true",
+                   help="with --replicas: place more replicas than GPUs, each GPU's memory split between its replicas")
 
 
 def window_cycles(text: str) -> int:
@@ -248,31 +271,95 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         require_gpu()
         require_pinned_sglang()
     model_path, draft_model_path = (args.model_path, args.draft_model_path) if args.model_path else dummy_model_dirs()
-    key = ["--api-key", args.api_key] if args.api_key else []
-    argv = sglang_argv(model_path, draft_model_path, [*key, *extra], args.host, args.port, prefix_cache=args.prefix_cache)
     if args.host not in LOCAL_HOSTS and not args.api_key:
         print(f"qflash: warning: listening on {args.host} without --api-key: anyone who can reach it can use the server, "
               "admin routes included", file=sys.stderr)
+    if args.replicas != 1:
+        return serve_replicas(args, extra, model_path, draft_model_path, args.log.parent if args.log else DEFAULT_CACHE / "logs")
+    key = ["--api-key", args.api_key] if args.api_key else []
+    argv = sglang_argv(model_path, draft_model_path, [*key, *extra], args.host, args.port, prefix_cache=args.prefix_cache)
     if args.dry_run:
         print(" ".join(argv))
         return 0
     log = args.log or DEFAULT_CACHE / "logs" / f"server-{args.port}.log"
-    unwind_on_sigterm()
     server = ServerProcess(argv, plugin_env("qflash", settings_env(args)), log, f"http://{args.host}:{args.port}", args.api_key)
-    try:
+
+    def serve() -> int:
         server.start()
         print(f"qflash: starting SGLang (log: {log})", flush=True)
-        took = server.wait_ready()
-        applied = [line for line in server.log().splitlines() if line.startswith("qflash: ") and APPLIED_MARK in line]
-        if not applied:
-            raise ServerDied("the server started without qflash's SGLang plugin (is qflash installed in this Python?)")
-        warm_up_and_freeze_gc(server)
-        print(f"{applied[0]}\nqflash: ready in {took:.0f} s at {server.base_url} (OpenAI API: {server.base_url}/v1)", flush=True)
+        took, applied = wait_ready_with_qflash(server)
+        print(f"{applied}\nqflash: ready in {took:.0f} s at {server.base_url} (OpenAI API: {server.base_url}/v1)", flush=True)
         return server.proc.wait()
+
+    return run_stopping([server], serve)
+
+
+def run_stopping(processes: list[ServerProcess], serve) -> int:
+    """`serve()` (start, wait, serve; its return is the exit code), SIGTERM unwinding like Ctrl-C: a server that
+    cannot start is one line and exit 1, and every process in `processes` is stopped at the end."""
+    unwind_on_sigterm()
+    try:
+        return serve()
     except (ServerDied, TimeoutError, urllib.error.URLError) as exc:
         print(f"qflash: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
     finally:
-        server.stop()
+        for process in processes:
+            process.stop()
+
+
+def serve_replicas(args: argparse.Namespace, extra: list[str], target: Path, drafter: Path, log_dir: Path) -> int:
+    """`--replicas N` (server/replicas.py): start every replica, then the router once all are warm; block until the
+    router exits or no replica is left."""
+    from qflash.server import replicas
+
+    plan = replicas.plan(args.replicas, replicas.visible_gpus(os.environ, gpu_count), args.share_gpus, args.port)
+    key = ["--api-key", args.api_key] if args.api_key else []
+    workers = [ServerProcess(
+        sglang_argv(target, drafter, [*key, "--mem-fraction-static", str(r.mem_fraction), *extra], HOST, r.port,
+                    prefix_cache=args.prefix_cache),
+        plugin_env("qflash", {**settings_env(args), "CUDA_VISIBLE_DEVICES": r.device}),
+        log_dir / f"server-{r.port}.log", f"http://{HOST}:{r.port}", args.api_key) for r in plan]
+    router = ServerProcess(replicas.router_argv([w.base_url for w in workers], args.host, args.port, args.api_key),
+                           dict(os.environ), log_dir / f"router-{args.port}.log", f"http://{args.host}:{args.port}",
+                           args.api_key)
+    if args.dry_run:
+        for r, w in zip(plan, workers):
+            print(f"CUDA_VISIBLE_DEVICES={r.device} {' '.join(w.argv)}")
+        print(" ".join(router.argv))
+        return 0
+    replicas.require_router()
+
+    def serve() -> int:
+        for r, w in zip(plan, workers):
+            w.start()
+            print(f"qflash: starting replica {r.index} on GPU {r.device} (log: {w.log_path})", flush=True)
+        for r, w in zip(plan, workers):
+            took, applied = wait_ready_with_qflash(w)
+            print(f"qflash: replica {r.index} ready in {took:.0f} s at {w.base_url}", flush=True)
+        router.start()
+        router.wait_ready(timeout_s=120)
+        print(f"{applied}\nqflash: {len(workers)} replicas ready behind SGLang's router at {router.base_url} "
+              f"(OpenAI API: {router.base_url}/v1; log: {router.log_path})", flush=True)
+        return watch_replicas(router, workers)
+
+    return run_stopping([router, *workers], serve)
+
+
+def watch_replicas(router: ServerProcess, workers: list[ServerProcess], poll_s: float = 1.0) -> int:
+    """Serve while the router and at least one replica live; say once which replica exited."""
+    gone = set()
+    while router.proc.poll() is None:
+        for i, w in enumerate(workers):
+            if i not in gone and w.proc.poll() is not None:
+                gone.add(i)
+                left = len(workers) - len(gone)
+                print(f"qflash: replica {i} ({w.base_url}) exited with code {w.proc.returncode}; "
+                      + (f"the router serves on with {left}" if left else "none is left, stopping"), file=sys.stderr, flush=True)
+        if len(gone) == len(workers):
+            return 1
+        time.sleep(poll_s)
+    print(f"qflash: the router exited with code {router.proc.returncode}; log: {router.log_path}", file=sys.stderr)
+    return router.proc.returncode or 1

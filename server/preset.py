@@ -128,6 +128,7 @@ DRAFTER_CONFIG = {
 # Context length served by default: the benchmark's longest prompt plus room for answers.
 CONTEXT_LENGTH = 16384
 MAX_RUNNING_REQUESTS = 8
+MEM_FRACTION_STATIC = 0.6  # of the GPU's memory for weights and KV cache; replicas sharing a GPU split it
 CHUNKED_PREFILL_SIZE = 8192  # SGLang's own default on an H200; fixed here so the graph buckets end on it
 
 # SGLang flags every DFlash system shares; they match the stock runs of the benchmark protocol.
@@ -138,7 +139,7 @@ DFLASH_FLAGS = [
     "--attention-backend", "triton",
     "--sampling-backend", "pytorch",
     "--max-running-requests", str(MAX_RUNNING_REQUESTS),
-    "--mem-fraction-static", "0.6",
+    "--mem-fraction-static", str(MEM_FRACTION_STATIC),
     "--context-length", str(CONTEXT_LENGTH),
 ]
 
