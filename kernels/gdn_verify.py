@@ -24,6 +24,11 @@ def _l2_normalize(x):
 
 
 @triton.jit
+def _l2_normalize_rows(x):
+    return x / tl.sqrt(tl.sum(x * x, 1) + 1e-6)[:, None]
+
+
+@triton.jit
 def _update(b_h, b_kn, b_v, b_g, b_beta):
     """One step of the gated delta rule on a [K, BV] state tile (SGLang's expressions and order)."""
     b_h *= tl.exp(b_g)
@@ -69,14 +74,15 @@ def _block(b_h, b_qn, b_kn, b_v, b_g, b_beta, o_t, BT: tl.constexpr):
     inverse = (o_t[:, None] == o_t[None, :]).to(tl.float32) - tl.where(pairs, a, 0.0)
     inverse = _merge(_merge(_merge(inverse, a, o_t, 2), a, o_t, 4), a, o_t, 8)
     ks = tl.dot(b_kn, b_h, input_precision="tf32x3")
-    u = tl.dot(inverse, b_beta[:, None] * (b_v - tl.exp(g_cum)[:, None] * ks), input_precision="tf32x3")
+    from_start = tl.exp(g_cum)  # each step's decay of the block's initial state
+    u = tl.dot(inverse, b_beta[:, None] * (b_v - from_start[:, None] * ks), input_precision="tf32x3")
     qk = tl.where(within, tl.dot(b_qn, tl.trans(b_kn), input_precision="tf32x3") * decay, 0.0)
-    return tl.exp(g_cum)[:, None] * tl.dot(b_qn, b_h, input_precision="tf32x3") + tl.dot(qk, u, input_precision="tf32x3")
+    return from_start[:, None] * tl.dot(b_qn, b_h, input_precision="tf32x3") + tl.dot(qk, u, input_precision="tf32x3")
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit
 def _gdn_verify_kernel(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b, o, h0_source, h0_indices,
-                   stride_h0_source, cu_seqlens, scale, T, stride_a, stride_q, stride_k, stride_v, stride_b,
+                   stride_h0_source, cu_seqlens, scale, stride_a, stride_q, stride_k, stride_v, stride_b,
                    rawv, rawk, ring_g, ring_beta, stride_rawv_slot, stride_rawk_slot, stride_g_slot,
                    stride_beta_slot, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BV: tl.constexpr, BT: tl.constexpr, MAX_CACHE_LEN: tl.constexpr, PDL: tl.constexpr):
@@ -111,9 +117,7 @@ def _gdn_verify_kernel(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, 
         tl.store(ring_g + slot * stride_g_slot + i_hv * MAX_CACHE_LEN + step, b_g, mask=ringed)
         tl.store(ring_beta + slot * stride_beta_slot + i_hv * MAX_CACHE_LEN + step, b_beta, mask=ringed)
 
-    b_qn = b_q / tl.sqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None] * scale
-    b_kn = b_k / tl.sqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
-    b_o = _block(b_h, b_qn, b_kn, b_v, b_g, b_beta, step, BT)
+    b_o = _block(b_h, _l2_normalize_rows(b_q) * scale, _l2_normalize_rows(b_k), b_v, b_g, b_beta, step, BT)
     tl.store(o + ((bos + step) * HV + i_hv)[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=live[:, None])
 
 
@@ -166,13 +170,13 @@ def verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, softplus
     if not takes(k, cu_seqlens):
         raise ValueError(f"the GDN verify takes {BLOCK_STEPS} tokens per request, not {k.shape[1]} for {len(cu_seqlens) - 1}")
     config = config or config_for(VERIFY_CONFIGS, len(cu_seqlens) - 1)
-    _, T, H, K = k.shape
+    H, K = k.shape[2:]
     HV, V = v.shape[2], v.shape[3]
     check_shape(K, V, config)
     o = q.new_empty(v.shape)
     _gdn_verify_kernel[(V // config["BV"], (len(cu_seqlens) - 1) * HV)](
         A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b, o, initial_state_source,
-        initial_state_indices, initial_state_source.stride(0), cu_seqlens, K ** -0.5 if scale is None else scale, T,
+        initial_state_indices, initial_state_source.stride(0), cu_seqlens, K ** -0.5 if scale is None else scale,
         a.stride(-2), q.stride(1), k.stride(1), v.stride(1), b.stride(-2), replayssm_rawv, replayssm_rawk,
         replayssm_g, replayssm_beta, replayssm_rawv.stride(0), replayssm_rawk.stride(0), replayssm_g.stride(0),
         replayssm_beta.stride(0), H=H, HV=HV, K=K, V=V, BT=BLOCK_STEPS, MAX_CACHE_LEN=replayssm_rawv.shape[-2], **config,

@@ -14,7 +14,7 @@ import pytest
 
 from qflash.server.errors import UserError
 from qflash.server.replicas import plan, visible_gpus
-from test_launcher import cache, flag, launch  # noqa: F401 (cache: a fixture)
+from test_launcher import cache, flag, gone, launch  # noqa: F401 (cache: a fixture)
 
 
 def test_one_replica_per_gpu_by_default():
@@ -113,14 +113,6 @@ def free_ports(count: int) -> int:
 
 def stub_pids(folder) -> list[int]:
     return [int(p.read_text()) for p in folder.iterdir() if p.name.startswith(("replica-", "router-"))]
-
-
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 def test_every_replica_is_ready_before_the_router_starts_and_the_router_outlives_a_lost_replica(

@@ -27,7 +27,6 @@ from qflash.server.tools.shapes import ATTENTION_HEADS, DRAFTER, GDN_HEADS, LM_H
 from qflash.server.tools.timing import cold_us, host_us
 
 
-
 def time_us(fn) -> float | None:
     try:
         return cold_us(fn)

@@ -140,22 +140,23 @@ def summarize(trace: dict, steps: int) -> dict:
     }
 
 
-def render(summary: dict, title: str, floors: dict[str, float] | None = None) -> str:
-    """The summary as markdown; with `floors` (floors.per_cycle_ms), each family's time per cycle against its floor."""
-    window, floors = summary["window_ms"], floors or {}
+def render(summary: dict, title: str, family_floors: dict[str, float] | None = None) -> str:
+    """The summary as markdown; with `family_floors` (floors.per_cycle_ms), each family's time per cycle against its
+    floor."""
+    window, family_floors = summary["window_ms"], family_floors or {}
     per_cycle = summary["steps"] / summary["cycles"]  # a family's ms per step -> per cycle
     lines = [title, "", f"Per step (mean of {summary['steps']}): window {window:.3f} ms, GPU busy "
              f"{summary['gpu_busy_ms']:.3f} ms, GPU idle (host, gaps) {summary['gpu_idle_ms']:.3f} ms; "
              f"{summary['cycles']} cycles, GPU busy {summary['gpu_cycle_ms']:.3f} ms and "
              f"{summary['kernels_per_cycle']:.0f} kernels per cycle."
-             + (f" Byte floor {sum(floors.values()):.3f} ms per cycle ({summary['gpu_cycle_ms'] / sum(floors.values()):.1f}x)."
-                if floors else ""), "",
+             + (f" Byte floor {sum(family_floors.values()):.3f} ms per cycle "
+                f"({summary['gpu_cycle_ms'] / sum(family_floors.values()):.1f}x)." if family_floors else ""), "",
              "| kernel family | ms per step | share of window | kernels per cycle | ms per cycle (floor, x floor) |",
              "| --- | ---: | ---: | ---: | ---: |"]
     counts = summary["family_kernels_per_cycle"]
     for f, v in summary["families"].items():
         mine = v * per_cycle
-        against = f" ({floors[f]:.3f}, {mine / floors[f]:.1f}x)" if floors.get(f) else ""
+        against = f" ({family_floors[f]:.3f}, {mine / family_floors[f]:.1f}x)" if family_floors.get(f) else ""
         lines.append(f"| {f} | {v:.3f} | {v / window:.0%} | {counts[f]:.1f} | {mine:.3f}{against} |")
     lines.append(f"| GPU idle | {summary['gpu_idle_ms']:.3f} | {summary['gpu_idle_ms'] / window:.0%} | | |")
     lines += ["", "| launched as | ms per step | share of window |", "| --- | ---: | ---: |"]
