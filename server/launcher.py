@@ -7,6 +7,7 @@ is imported here at module level: `qflash serve --help` answers at once.
 """
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -143,13 +144,19 @@ class ServerProcess:
 
     def post(self, route: str, payload: dict | None = None, timeout: float = 60) -> None:
         """POST to one of SGLang's routes (a JSON body when given), with the server's API key when it has one."""
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         data = None if payload is None else json.dumps(payload).encode()
+        self._call(route, data, "POST", timeout)
+
+    def get_json(self, route: str, timeout: float = 10):
+        return json.loads(self._call(route, None, "GET", timeout))
+
+    def _call(self, route: str, data: bytes | None, method: str, timeout: float) -> bytes:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         if data is not None:
             headers["Content-Type"] = "application/json"
-        request = urllib.request.Request(self.base_url + route, data=data, method="POST", headers=headers)
+        request = urllib.request.Request(self.base_url + route, data=data, method=method, headers=headers)
         with urllib.request.urlopen(request, timeout=timeout) as resp:
-            resp.read()
+            return resp.read()
 
     def stop(self) -> None:
         """SIGTERM to the whole process group (SGLang's scheduler and detokenizer are the server's children), then
@@ -316,15 +323,8 @@ def serve_replicas(args: argparse.Namespace, extra: list[str], target: Path, dra
     from qflash.server import replicas
 
     plan = replicas.plan(args.replicas, replicas.visible_gpus(os.environ, gpu_count), args.share_gpus, args.port)
-    key = ["--api-key", args.api_key] if args.api_key else []
-    workers = [ServerProcess(
-        sglang_argv(target, drafter, [*key, "--mem-fraction-static", str(r.mem_fraction), *extra], HOST, r.port,
-                    prefix_cache=args.prefix_cache),
-        plugin_env("qflash", {**settings_env(args), "CUDA_VISIBLE_DEVICES": r.device}),
-        log_dir / f"server-{r.port}.log", f"http://{HOST}:{r.port}", args.api_key) for r in plan]
-    router = ServerProcess(replicas.router_argv([w.base_url for w in workers], args.host, args.port, args.api_key),
-                           dict(os.environ), log_dir / f"router-{args.port}.log", f"http://{args.host}:{args.port}",
-                           args.api_key)
+    workers, router = replica_group(plan, target, drafter, extra, plugin_env("qflash", settings_env(args)), log_dir,
+                                    args.host, args.port, args.api_key, args.prefix_cache)
     if args.dry_run:
         for r, w in zip(plan, workers):
             print(f"CUDA_VISIBLE_DEVICES={r.device} {' '.join(w.argv)}")
@@ -333,19 +333,64 @@ def serve_replicas(args: argparse.Namespace, extra: list[str], target: Path, dra
     replicas.require_router()
 
     def serve() -> int:
-        for r, w in zip(plan, workers):
-            w.start()
-            print(f"qflash: starting replica {r.index} on GPU {r.device} (log: {w.log_path})", flush=True)
-        for r, w in zip(plan, workers):
-            took, applied = wait_ready_with_qflash(w)
-            print(f"qflash: replica {r.index} ready in {took:.0f} s at {w.base_url}", flush=True)
-        router.start()
-        router.wait_ready(timeout_s=120)
+        applied = start_replicas(plan, workers, router)
         print(f"{applied}\nqflash: {len(workers)} replicas ready behind SGLang's router at {router.base_url} "
               f"(OpenAI API: {router.base_url}/v1; log: {router.log_path})", flush=True)
         return watch_replicas(router, workers)
 
     return run_stopping([router, *workers], serve)
+
+
+def replica_group(plan: list, target: Path, drafter: Path, extra: list[str], env: dict[str, str], log_dir: Path,
+                  host: str, port: int, api_key: str | None = None,
+                  prefix_cache: bool = PREFIX_CACHE) -> tuple[list[ServerProcess], ServerProcess]:
+    """The servers of `plan`'s replicas (on 127.0.0.1, in `env` on their own GPU) and the router's at host:port,
+    not started yet."""
+    from qflash.server import replicas
+
+    key = ["--api-key", api_key] if api_key else []
+    workers = [ServerProcess(
+        sglang_argv(target, drafter, [*key, "--mem-fraction-static", str(r.mem_fraction), *extra], HOST, r.port,
+                    prefix_cache=prefix_cache),
+        {**env, "CUDA_VISIBLE_DEVICES": r.device}, log_dir / f"server-{r.port}.log", f"http://{HOST}:{r.port}",
+        api_key) for r in plan]
+    router = ServerProcess(replicas.router_argv([w.base_url for w in workers], host, port, api_key), dict(os.environ),
+                           log_dir / f"router-{port}.log", f"http://{host}:{port}", api_key)
+    return workers, router
+
+
+def start_replicas(plan: list, workers: list[ServerProcess], router: ServerProcess,
+                   say=functools.partial(print, flush=True)) -> str:
+    """Start the replicas wave by wave (replicas.plan: those sharing a GPU one after another), each ready with qflash
+    and warmed up, then the router; return the plugin's line."""
+    for wave in sorted({r.wave for r in plan}):
+        starting = [(r, w) for r, w in zip(plan, workers) if r.wave == wave]
+        for r, w in starting:
+            w.start()
+            say(f"qflash: starting replica {r.index} on GPU {r.device} (log: {w.log_path})")
+        for r, w in starting:
+            took, applied = wait_ready_with_qflash(w)
+            say(f"qflash: replica {r.index} ready in {took:.0f} s at {w.base_url}")
+    router.start()
+    router.wait_ready(timeout_s=120)
+    wait_routing(router, [w.base_url for w in workers])
+    return applied
+
+
+def wait_routing(router: ServerProcess, urls: list[str], timeout_s: float = 120) -> None:
+    """Wait until the router lists every replica as healthy: it answers /health before it has registered any (that
+    runs in the background), and a request meanwhile gets 503 "no available workers"."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if router.proc.poll() is not None:
+            raise ServerDied(f"the router exited with code {router.proc.returncode}; log: {router.log_path}")
+        try:
+            if {w["url"] for w in router.get_json("/workers")["workers"] if w["is_healthy"]} >= set(urls):
+                return
+        except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError, KeyError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the router did not take up every replica in {timeout_s:.0f} s; log: {router.log_path}")
 
 
 def watch_replicas(router: ServerProcess, workers: list[ServerProcess], poll_s: float = 1.0) -> int:

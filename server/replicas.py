@@ -26,7 +26,8 @@ class Replica:
     index: int
     device: str  # its CUDA_VISIBLE_DEVICES: one of the GPUs this process sees
     port: int
-    mem_fraction: float  # of its GPU's memory, split between the replicas sharing that GPU
+    wave: int  # its place on its GPU: the replicas of wave w start once those of wave w - 1 are ready
+    mem_fraction: float  # its --mem-fraction-static: of the memory its GPU has free when it starts
 
 
 def visible_gpus(environ: dict[str, str], device_count) -> list[str]:
@@ -37,7 +38,12 @@ def visible_gpus(environ: dict[str, str], device_count) -> list[str]:
 
 
 def plan(replicas: int, gpus: list[str], share_gpus: bool, router_port: int) -> list[Replica]:
-    """One replica per GPU; with `share_gpus`, round-robin over the GPUs, each GPU's memory split evenly."""
+    """One replica per GPU; with `share_gpus`, round-robin over the GPUs, each GPU's memory split evenly.
+
+    SGLang takes a server's static memory as a fraction of what the GPU has free when the server starts, so replicas
+    sharing a GPU start one after another (in waves) and a later one asks for a larger fraction of what the earlier
+    ones left: each ends up with MEM_FRACTION_STATIC / sharing of the whole. Started together, the first to size its
+    KV cache would take the share of both."""
     if replicas < 1:
         raise UserError(f"--replicas {replicas}: give 1 or more")
     if not gpus:
@@ -45,9 +51,10 @@ def plan(replicas: int, gpus: list[str], share_gpus: bool, router_port: int) -> 
     if replicas > len(gpus) and not share_gpus:
         raise UserError(f"--replicas {replicas} needs {replicas} GPUs, {len(gpus)} visible: add --share-gpus to run "
                         "several on one GPU (its memory split between them), or ask for fewer")
-    sharing = math.ceil(replicas / len(gpus))
-    return [Replica(i, gpus[i % len(gpus)], router_port + 1 + i, round(MEM_FRACTION_STATIC / sharing, 3))
-            for i in range(replicas)]
+    share = MEM_FRACTION_STATIC / math.ceil(replicas / len(gpus))
+    waves = [i // len(gpus) for i in range(replicas)]
+    return [Replica(i, gpus[i % len(gpus)], router_port + 1 + i, wave, round(share / (1 - wave * share), 3))
+            for i, wave in enumerate(waves)]
 
 
 def router_argv(worker_urls: list[str], host: str, port: int, api_key: str | None) -> list[str]:

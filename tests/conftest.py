@@ -67,16 +67,16 @@ def dummy_dirs(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def launched(*args: str, log: Path, timeout_s: float = 900):
-    """`./launch.sh ARGS` in its own process group until it prints that it is ready; Ctrl-C on exit. The shared
-    server stops first."""
+def launched(*args: str, log: Path, timeout_s: float = 900, ready: str = r"ready in \d+ s"):
+    """`./launch.sh ARGS` in its own process group until it prints that it is ready (`ready`, a pattern); Ctrl-C on
+    exit. The shared server stops first."""
     stop_served()
     with open(log, "w") as out:
         proc = subprocess.Popen([str(REPO / "launch.sh"), *args], stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHON": sys.executable}, start_new_session=True)
     start = time.monotonic()
     try:
-        while not re.search(r"ready in \d+ s", log.read_text()):
+        while not re.search(ready, log.read_text()):
             assert proc.poll() is None, f"launch.sh exited:\n{log.read_text()}"
             assert time.monotonic() - start < timeout_s, f"server not ready in {timeout_s:.0f} s"
             time.sleep(1)

@@ -2,6 +2,7 @@
 # Everything the H200 checks, in one device call; results and logs land in $OUT. Steps, by variable:
 #   TUNE=1                 qflash tune (rewrites the kernel tables; copies them to $OUT)
 #   TESTS="pytest args"    default "-m gpu tests" (all GPU tests); TESTS=0 skips
+#   STABLE=0               the tests need no stable-choice checkpoint (conftest.stable_checkpoint): not built
 #   EVAL_DEPS=1            install lm-eval offline for tests/test_eval_gpu.py (carry .gpu-eval too:
 #                          tests/fetch_eval_deps.sh makes it here, 15.3 MiB)
 #   BENCH_KERNELS=1        qflash bench-kernels $BENCH_KERNELS_ARGS (e.g. --skip-gemms)
@@ -12,7 +13,8 @@
 #   SWITCH_AB=sw1,sw2      tests/switch_ab.py --switches ... $SWITCH_AB_ARGS: the test plugin's run-time switches
 #                          (one_cycle_per_step, plan_stream_off, ...) against the default, on one server
 # Device tool: carry [".gpu"] (a copy of ../shared/device, the offline SGLang bundle, and the Triton cache an earlier
-# call returned); bash tests/run_gpu.sh
+# call returned); bash tests/run_gpu.sh. With ".gpu-router" (tests/fetch_router.sh) carried too, SGLang's router is
+# installed beside the bundle (the replica tests and `--replicas` in the bench need it).
 set -uo pipefail
 # The device tool brings back at most 8 files: everything is staged, then packed into $OUT/run.tgz, with the
 # benchmark table beside it.
@@ -25,6 +27,7 @@ pack() {  # after each step: a call stopped at its time limit still brings back 
   cp "$OUT/results.md" "$FINAL/" 2>/dev/null
 }
 bash .gpu/install.sh /tmp/site >/dev/null && export PYTHONPATH=/tmp/site
+[ -f .gpu-router/sglang-router.tar.xz ] && tar -xJf .gpu-router/sglang-router.tar.xz -C /tmp/site
 # A Triton cache from an earlier call (its $OUT/triton-cache.tar.xz, copied into .gpu/) spares each server start its
 # kernel compiles (45 s of 111 variants on a fresh machine, BENCHMARKS.md); this machine's goes back at the end.
 [ -f .gpu/triton-cache.tar.xz ] && mkdir -p ~/.triton && tar -xJf .gpu/triton-cache.tar.xz -C ~/.triton
@@ -43,10 +46,12 @@ if [ "${EVAL_DEPS:-0}" = 1 ]; then
 fi
 
 if [ "${TESTS:-}" != 0 ]; then
-  # the stable-choice checkpoint the GPU tests serve (conftest.stable_checkpoint), built here to show its time
-  start=$SECONDS
-  (cd tests && python3 -c "from conftest import stable_checkpoint; stable_checkpoint()") > "$OUT/make-dummy.log" 2>&1 || status=1
-  echo "make-dummy --stable: $((SECONDS - start)) s"
+  if [ "${STABLE:-1}" != 0 ]; then
+    # the stable-choice checkpoint the GPU tests serve (conftest.stable_checkpoint), built here to show its time
+    start=$SECONDS
+    (cd tests && python3 -c "from conftest import stable_checkpoint; stable_checkpoint()") > "$OUT/make-dummy.log" 2>&1 || status=1
+    echo "make-dummy --stable: $((SECONDS - start)) s"
+  fi
   # shellcheck disable=SC2086
   timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest ${TESTS:--m gpu tests} -v -s -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1 || status=1
   grep -E "FAILED|ERROR|ready after|passed|failed|: 4[0-9][0-9] |losslessness|accept length|argmax =|stable checkpoint|drafter KV|soak:|^prompt [0-9]+:|qflash_tiny|hooks applied|refusing" "$OUT/gpu-tests.log"

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from qflash.server.errors import UserError
+from qflash.server.preset import MEM_FRACTION_STATIC
 from qflash.server.replicas import plan, visible_gpus
 from test_launcher import cache, flag, gone, launch  # noqa: F401 (cache: a fixture)
 
@@ -22,9 +23,20 @@ def test_one_replica_per_gpu_by_default():
     assert [(r.device, r.port, r.mem_fraction) for r in replicas] == [("0", 30001, 0.6), ("1", 30002, 0.6)]
 
 
-def test_shared_gpus_split_their_memory_between_their_replicas():
+def test_shared_gpus_start_their_replicas_in_waves():
     replicas = plan(3, ["0", "1"], share_gpus=True, router_port=40000)
-    assert [(r.device, r.port, r.mem_fraction) for r in replicas] == [("0", 40001, 0.3), ("1", 40002, 0.3), ("0", 40003, 0.3)]
+    assert [(r.device, r.port, r.wave, r.mem_fraction) for r in replicas] == [
+        ("0", 40001, 0, 0.3), ("1", 40002, 0, 0.3), ("0", 40003, 1, 0.429)]
+
+
+@pytest.mark.parametrize("replicas", [2, 3, 4])
+def test_replicas_sharing_a_gpu_each_get_an_even_share_of_it(replicas):
+    """SGLang takes --mem-fraction-static of the memory free when a server starts; the waves start in turn."""
+    free, taken = 1.0, []
+    for r in plan(replicas, ["0"], share_gpus=True, router_port=30000):
+        taken.append(free * r.mem_fraction)
+        free -= taken[-1]
+    assert taken == pytest.approx([MEM_FRACTION_STATIC / replicas] * replicas, abs=1e-3)
 
 
 @pytest.mark.parametrize("replicas, gpus, message", [
@@ -52,7 +64,7 @@ def test_dry_run_prints_each_replica_and_the_router(cache, monkeypatch):  # noqa
         env, *argv = shlex.split(line)
         assert env == "CUDA_VISIBLE_DEVICES=0" and argv[1:3] == ["-m", "sglang.launch_server"]
         assert (flag(argv, "--host"), flag(argv, "--port")) == ("127.0.0.1", str(31001 + i))
-        assert flag(argv, "--mem-fraction-static") == "0.3" and flag(argv, "--api-key") == "k3y"
+        assert flag(argv, "--mem-fraction-static") == ["0.3", "0.429"][i] and flag(argv, "--api-key") == "k3y"
         assert flag(argv, "--speculative-algorithm") == "DFLASH"
     argv = shlex.split(router)
     assert argv[1:3] == ["-m", "sglang_router.launch_router"] and flag(argv, "--port") == "31000"
@@ -69,10 +81,10 @@ def test_more_replicas_than_gpus_is_one_line_and_a_non_zero_exit(cache, monkeypa
 
 
 # A replica: says qflash is in place, answers every route, writes its pid and when the launcher's last start-up
-# call (/freeze_gc) came; with "die", exits 1 s after it. The router: writes its pid and start, answers /health,
-# exits after `extra` seconds.
+# call (/freeze_gc) came; with "die", exits 1 s after it. The router: writes its pid and start, answers /health and
+# lists the worker URLs after its arguments as healthy, exits after `extra` seconds.
 STUB = """
-import http.server, os, sys, threading, time
+import http.server, json, os, sys, threading, time
 role, port, pids, extra = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 open(os.path.join(pids, f"{role}-{port}"), "w").write(str(os.getpid()))
 if role == "router":
@@ -82,6 +94,8 @@ print("qflash: 39 hooks applied on sglang 0.5.17: ...", flush=True)
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200); self.end_headers()
+        if self.path == "/workers":  # the router's list: the replicas it was given, healthy
+            self.wfile.write(json.dumps({"workers": [{"url": u, "is_healthy": True} for u in sys.argv[5:]]}).encode())
 
     def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -130,7 +144,7 @@ def test_every_replica_is_ready_before_the_router_starts_and_the_router_outlives
 
     def router_argv(urls, host, port, key):
         assert urls == [f"http://127.0.0.1:{p}" for p, _ in started]
-        return stub("router", port, "6")
+        return stub("router", port, "6") + urls
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.setattr(launcher, "require_gpu", lambda: None)
@@ -144,7 +158,7 @@ def test_every_replica_is_ready_before_the_router_starts_and_the_router_outlives
     assert launcher.run(args, []) == 1  # the stub router exits after 6 s
     out, err = capsys.readouterr()
     assert [p for p, _ in started] == [port + 1, port + 2]
-    assert all(extra[extra.index("--mem-fraction-static") + 1] == "0.3" for _, extra in started)
+    assert [extra[extra.index("--mem-fraction-static") + 1] for _, extra in started] == ["0.3", "0.429"]
     assert "qflash: replica 0 ready in" in out and "qflash: replica 1 ready in" in out
     assert f"qflash: 2 replicas ready behind SGLang's router at http://127.0.0.1:{port}" in out
     assert f"qflash: replica 0 (http://127.0.0.1:{port + 1}) exited with code 3; the router serves on with 1" in err
@@ -153,6 +167,7 @@ def test_every_replica_is_ready_before_the_router_starts_and_the_router_outlives
                                                                     f"server-{port + 2}.log"]
     ready = [float((pids / f"t-ready-{p}").read_text()) for p, _ in started]
     assert float((pids / "t-router").read_text()) > max(ready)  # every replica warmed up before the router started
+    assert (pids / f"replica-{port + 2}").stat().st_mtime > ready[0]  # the GPU's second replica after its first
     assert len(stub_pids(pids)) == 3 and all(map(gone, stub_pids(pids)))  # nothing left behind
 
 
@@ -169,7 +184,7 @@ stub = lambda role, port, extra: [sys.executable, "-c", t.STUB, role, str(port),
 launcher.require_gpu = launcher.require_pinned_sglang = replicas.require_router = lambda: None
 launcher.dummy_model_dirs = lambda: (pids, pids)
 launcher.sglang_argv = lambda target, drafter, extra, host, port, **kw: stub("replica", port, "")
-replicas.router_argv = lambda urls, host, port, key: stub("router", port, "600")
+replicas.router_argv = lambda urls, host, port, key: stub("router", port, "600") + urls
 args = parser("serve").parse_args(["serve", "--replicas", "2", "--share-gpus", "--port", str(port), "--log", pids + "/logs/x"])
 sys.exit(launcher.run(args, []))
 """
@@ -220,27 +235,26 @@ http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 def test_sglang_s_router_with_qflash_s_command_routes_by_prefix_and_outlives_a_replica(tmp_path):
     import requests
 
+    from qflash.server.launcher import ServerProcess, wait_routing
     from qflash.server.replicas import router_argv
 
     port = free_ports(3)
-    workers = [subprocess.Popen([sys.executable, "-c", ROUTED, str(port + i), str(tmp_path / f"w{i}")],
-                                start_new_session=True) for i in (1, 2)]
-    router = subprocess.Popen(router_argv([f"http://127.0.0.1:{port + i}" for i in (1, 2)], "127.0.0.1", port, "k3y"),
-                              stdout=open(tmp_path / "router.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    url, key = f"http://127.0.0.1:{port}/generate", {"Authorization": "Bearer k3y"}
+    urls = [f"http://127.0.0.1:{port + i}" for i in (1, 2)]
+    router = ServerProcess(router_argv(urls, "127.0.0.1", port, "k3y"), dict(os.environ), tmp_path / "router.log",
+                           f"http://127.0.0.1:{port}", "k3y")
+    url, key, workers = f"http://127.0.0.1:{port}/generate", {"Authorization": "Bearer k3y"}, []
 
     def generate(text, headers=key):
         return requests.post(url, json={"text": text}, headers=headers, timeout=30)
 
     try:
-        deadline = time.monotonic() + 90  # the router registers its workers in the background
-        while time.monotonic() < deadline:
-            try:
-                if generate("warm").status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.5)
+        router.start().wait_ready(timeout_s=90)
+        # The router answers /health before it has taken up its workers (here: before they even listen); the
+        # launcher waits until it routes to them all, and then the first request is served.
+        workers += [subprocess.Popen([sys.executable, "-c", ROUTED, str(port + i), str(tmp_path / f"w{i}")],
+                                     start_new_session=True) for i in (1, 2)]
+        wait_routing(router, urls)
+        assert generate("first").status_code == 200
         assert generate("no key", headers={}).status_code == 401
         prefix = "a long conversation that every turn of it repeats from the start " * 8
         served = {generate(prefix + f"turn {i}").json()["text"] for i in range(4)}
@@ -251,7 +265,8 @@ def test_sglang_s_router_with_qflash_s_command_routes_by_prefix_and_outlives_a_r
         answers = [generate(prefix + f"after {i}") for i in range(4)]
         assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]  # retried on the live one
     finally:
-        for p in (router, *workers):
+        router.stop()
+        for p in workers:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()

@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from qflash.server.cli import main
+from qflash.server.preset import MAX_RUNNING_REQUESTS
 from qflash.server.tools import bench, workloads
 
 
@@ -74,7 +75,9 @@ def test_rows_give_percentiles_ttft_and_tokens_per_second():
     assert chat["output_tokens_per_s"] == pytest.approx(512 / 1.0) and chat["cached_tokens"] == 2000
     assert conc["max_over_p50"] == 4.0
     table = workloads.render_table(rows)
-    assert "| concurrency | 2 | qflash | 4 | 250.0 | 1000.0 | 1000.0 (4.00) | 15.0 | 512 | 0 |" in table
+    assert conc["requests_per_s"] == 2.0 and chat["requests_per_s"] is None
+    assert "| concurrency | 2 | qflash | 4 | 250.0 | 1000.0 | 1000.0 (4.00) | 15.0 | 512 | 2.00 | 0 |" in table
+    assert "| chat | later turns | qflash | 2 | 500.0 | 500.0 | 500.0 (1.00) | 40.0 | 512 | - | 2000 |" in table
 
 
 def test_the_stream_gives_the_answers_ids_from_its_last_chunk():
@@ -105,6 +108,47 @@ def test_the_bench_runs_the_workloads_on_each_sglang_server_into_the_same_result
     md = (tmp_path / "results.md").read_text()
     assert "| chat | later turns | qflash | 12 |" in md and "| concurrency | 2 | sglang-bf16 | 4 |" in md
     assert (tmp_path / "workloads.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_throughput_workload_goes_past_one_server_s_running_requests():
+    samples = workloads.RUNS["throughput"](answer)
+    assert sorted({s["kind"] for s in samples}) == list(workloads.THROUGHPUT)
+    assert {s["workload"] for s in samples} == {"throughput"} and max(workloads.THROUGHPUT) > MAX_RUNNING_REQUESTS
+
+
+def test_the_bench_runs_the_workloads_on_replicas_as_their_own_row(tmp_path, monkeypatch):
+    @contextlib.contextmanager
+    def server(system, *args, **kwargs):
+        yield SimpleNamespace(base_url=f"http://{system}", log=lambda: "")
+
+    @contextlib.contextmanager
+    def replicas(count, share_gpus, *args):
+        started.append((count, share_gpus))
+        yield SimpleNamespace(base_url="http://router")
+
+    started, sent = [], []
+    sample = {"latency_ms": 300.0, "ttft_ms": 50.0, "output_tokens": 256, "accept_len": 6.5, "verify_steps": 40}
+
+    def time_request(url, ids, with_ids=False):
+        sent.append(url)
+        return {**sample, "output_ids": [5] * 4}
+
+    monkeypatch.setattr(bench, "system_server", server)
+    monkeypatch.setattr(bench, "replicas_server", replicas)
+    monkeypatch.setattr(bench, "time_request", time_request)
+    monkeypatch.setitem(workloads.RUNS, "throughput",
+                        lambda send: workloads.run_concurrency(send, (2,), "throughput"))
+    assert bench.run_bench(["qflash"], tmp_path, [64], timed=1, acc_len=6.5, workload_names=["throughput"],
+                           replicas=2, share_gpus=True) == 0
+    assert started == [(2, True)] and sent.count("http://router") == 2 * workloads.ROUNDS
+    md = (tmp_path / "results.md").read_text()
+    assert "| throughput | 2 | qflash | 4 |" in md and "| throughput | 2 | qflash x2 | 4 |" in md
+
+
+def test_replicas_in_the_bench_need_workloads(capsys, monkeypatch):
+    monkeypatch.setattr(bench, "require_gpu", lambda: None)
+    assert main(["bench", "--out", "x", "--replicas", "2"]) == 2
+    assert capsys.readouterr().err == "qflash bench: --replicas runs the workloads on the replicas: name them with --workloads\n"
 
 
 def test_an_unknown_workload_is_a_usage_error(capsys):

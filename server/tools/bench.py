@@ -26,12 +26,13 @@ from qflash.server.launcher import ServerDied, require_gpu
 from qflash.server.preset import PREFIX_CACHE, PROMPT_BUCKETS
 from qflash.server.tools import workloads
 from qflash.server.tools.systems import (OUTPUT_LEN, SYSTEMS, add_speculation_args, csv, make_prompt,
-                                         positive_csv, positive_int, system_server)
+                                         positive_csv, positive_int, replicas_server, system_server)
 
 VALID_ACCEPT = (6.2, 6.8)
 REFERENCE = "sglang-bf16"
 HOST_BOUND = 1.15  # a cycle whose wall time exceeds its GPU busy time by more than this waited on the host
 PROFILE_STEPS = 8  # scheduler steps profiled per bucket on each timed server, for the GPU busy time per cycle
+PORT = 30010  # each system's server in turn (replicas: the router; theirs after it), clear of `qflash serve`'s
 
 
 def request_plan(buckets: list[int], timed: int) -> list[dict]:
@@ -297,11 +298,21 @@ def _run_sglang(system: str, plan: list[dict], out: Path, port: int, acc_len: fl
         return {} if profile_prefill else {str(bucket): summary["gpu_cycle_ms"] for bucket, summary in report.items()}
 
 
+def _run_replicas(count: int, share_gpus: bool, out: Path, port: int, acc_len: float, flags: list[str],
+                  prefix_cache: bool, workload_names: list[str], keep_workload) -> None:
+    """The named workloads on `count` qflash replicas behind SGLang's router (`qflash serve --replicas`)."""
+    with replicas_server(count, share_gpus, out / "logs", port, acc_len, flags, prefix_cache) as router:
+        for name in workload_names:
+            keep_workload(workloads.RUNS[name](lambda ids: time_request(router.base_url, ids, with_ids=True)))
+
+
 def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc_len: float,
-              flags: list[str] = (), port: int = 30010, profile_steps: int = 0, prefix_cache: bool = PREFIX_CACHE,
-              profile_with_stack: bool = False, profile_prefill: bool = False, workload_names: list[str] = ()) -> int:
-    """Every system in turn on the same requests (and the named workloads, on the SGLang systems); extra SGLang
-    `flags` go to every SGLang system (for trials)."""
+              flags: list[str] = (), port: int = PORT, profile_steps: int = 0, prefix_cache: bool = PREFIX_CACHE,
+              profile_with_stack: bool = False, profile_prefill: bool = False, workload_names: list[str] = (),
+              replicas: int = 1, share_gpus: bool = False) -> int:
+    """Every system in turn on the same requests (and the named workloads, on the SGLang systems; with `replicas`
+    above 1, also on that many qflash servers behind SGLang's router, the row `qflash xN`); extra SGLang `flags` go
+    to every SGLang system (for trials)."""
     out = Path(out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     plan = request_plan(buckets, timed)
@@ -311,7 +322,9 @@ def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc
         "protocol": {"buckets": buckets, "output_len": OUTPUT_LEN, "timed": timed, "warmup": 1,
                      "acc_len": acc_len, "greedy": True, "ignore_eos": True},
         "qflash_prefix_cache": prefix_cache, "gpu_cycle_ms": {}, "workloads": list(workload_names),
+        "replicas": replicas, "share_gpus": share_gpus,
     }
+    replicated = [f"qflash x{replicas}"] if replicas > 1 else []
     samples, errors = [], {}
     meta["workload_samples"] = workload_samples = []
 
@@ -320,11 +333,14 @@ def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc
         write_results(out, meta, samples, errors)  # as each system's rows come, so a cut-short run keeps them
 
     with tqdm(total=len(systems) * len(plan), desc="qflash bench", unit="req") as progress:
-        for system in systems:
+        for system in [*systems, *replicated]:
             progress.set_postfix_str(system)
             try:
                 if system == "baseline":
                     keep(system, _run_baseline(plan, out, progress))
+                elif system in replicated:
+                    _run_replicas(replicas, share_gpus, out, port, acc_len, list(flags), prefix_cache, workload_names,
+                                  lambda got: keep(system, got, workload_samples))
                 else:
                     meta["gpu_cycle_ms"][system] = _run_sglang(
                         system, plan, out, port, acc_len, progress, list(flags), lambda got: keep(system, got),
@@ -376,7 +392,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-with-stack", action="store_true", help="the profiles also record Python call stacks")
     p.add_argument("--workloads", type=csv(str, tuple(workloads.RUNS)), default=[],
                    help=f"after the scoreboard, on each SGLang server: comma list from {','.join(workloads.RUNS)} "
-                        "(multi-turn chat sharing prefixes; 1-16 requests in flight), in the same results")
+                        "(multi-turn chat sharing prefixes; 1-16 requests in flight; 8-32), in the same results")
+    p.add_argument("--replicas", type=positive_int, default=1,
+                   help="with --workloads: also run them on N qflash replicas behind SGLang's router (the row `qflash "
+                        "xN`), as `qflash serve --replicas N` serves (needs the scale extra)")
+    p.add_argument("--share-gpus", action="store_true", help="with --replicas: as `qflash serve --share-gpus`")
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
@@ -385,6 +405,15 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         import matplotlib  # noqa: F401  the chart, checked before any server starts
     except ImportError:
         raise UserError("needs matplotlib for its chart: pip install 'qflash[bench]'", code=1) from None
+    if args.replicas > 1:
+        from qflash.server import replicas
+        from qflash.server.launcher import gpu_count
+
+        if not args.workloads:
+            raise UserError("--replicas runs the workloads on the replicas: name them with --workloads")
+        replicas.plan(args.replicas, replicas.visible_gpus(os.environ, gpu_count), args.share_gpus, PORT)
+        replicas.require_router()
     return run_bench(args.systems, args.out, args.buckets, args.timed, args.acc_len, extra, profile_steps=args.profile_steps,
                      prefix_cache=args.prefix_cache, profile_with_stack=args.profile_with_stack,
-                     profile_prefill=args.profile_prefill, workload_names=args.workloads)
+                     profile_prefill=args.profile_prefill, workload_names=args.workloads, replicas=args.replicas,
+                     share_gpus=args.share_gpus)

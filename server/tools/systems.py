@@ -3,7 +3,9 @@ the dummy model started, made ready and stopped (protocol: shared/reference/benc
 
 import argparse
 import contextlib
+import os
 import random
+import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -55,6 +57,29 @@ def system_server(system: str, log: Path, port: int, acc_len: float, env: dict |
         yield server
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def replicas_server(count: int, share_gpus: bool, log_dir: Path, port: int, acc_len: float, flags: list[str] = (),
+                    prefix_cache: bool = PREFIX_CACHE):
+    """qflash as `qflash serve --replicas count` serves it on the dummy model (server/replicas.py): the router's
+    server once every replica is warm; every process stopped on exit."""
+    from qflash.server import replicas
+    from qflash.server.launcher import gpu_count, replica_group, start_replicas
+
+    plan = replicas.plan(count, replicas.visible_gpus(os.environ, gpu_count), share_gpus, port)
+    workers, router = replica_group(plan, *dummy_model_dirs(), list(flags),
+                                    plugin_env("qflash", {"SGLANG_SIMULATE_ACC_LEN": str(acc_len)}), log_dir,
+                                    "127.0.0.1", port, prefix_cache=prefix_cache)
+    unwind_on_sigterm()
+    try:
+        start = time.monotonic()
+        start_replicas(plan, workers, router, say=tqdm.write)
+        tqdm.write(f"qflash x{count}: ready in {time.monotonic() - start:.0f} s")
+        yield router
+    finally:
+        for server in (router, *workers):
+            server.stop()
 
 
 def csv(kind, choices=None):

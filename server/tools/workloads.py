@@ -5,8 +5,9 @@
   conversations, so a cache must hold every conversation's history to hit. Kinds: the first turn (only the
   system prompt is shared) and the later turns (the whole history is).
 - concurrency: prompts of mixed lengths with 1, 2, 4, 8 and 16 requests in flight. Kind: the concurrency.
-Per kind: p50 / p90 / max latency, p50 time to first token, and output tokens per second (for concurrency,
-all of a level's tokens over its wall time; for chat, per request).
+- throughput: the same at 8, 16 and 32 in flight, past one server's 8 running requests (what replicas are for).
+Per kind: p50 / p90 / max latency, p50 time to first token, and output tokens per second (for concurrency and
+throughput, all of a level's tokens over its wall time, and requests per second; for chat, per request).
 """
 
 import concurrent.futures
@@ -20,6 +21,7 @@ CHAT_SYSTEM_LEN = 1024
 CHAT_FIRST_USER_LENS = (64, 512, 2048, 4096)  # one conversation each: first prompts of 1,088 to 5,120 tokens
 CHAT_USER_LEN, CHAT_TURNS = 128, 4  # the longest conversation's last prompt: 6,272 tokens
 CONCURRENCY = (1, 2, 4, 8, 16)
+THROUGHPUT = (8, 16, 32)
 MIXED_LENGTHS = (64, 512, 2048, 8192)
 ROUNDS = 2  # requests per level = concurrency x ROUNDS
 
@@ -44,11 +46,11 @@ def run_chat(send) -> list[dict]:
     return samples
 
 
-def run_concurrency(send, levels=CONCURRENCY) -> list[dict]:
+def run_concurrency(send, levels=CONCURRENCY, workload: str = "concurrency") -> list[dict]:
     """At each level, concurrency x ROUNDS requests of mixed lengths, that many in flight at once."""
     samples = []
     for level in levels:
-        rng = random.Random(f"qflash-concurrency-{level}")
+        rng = random.Random(f"qflash-{workload}-{level}")
         prompts = [_ids(rng, MIXED_LENGTHS[i % len(MIXED_LENGTHS)]) for i in range(level * ROUNDS)]
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(level) as pool:
@@ -56,7 +58,7 @@ def run_concurrency(send, levels=CONCURRENCY) -> list[dict]:
         wall_s = time.perf_counter() - start
         for prompt, sample in zip(prompts, got):
             sample.pop("output_ids")
-            samples.append({"workload": "concurrency", "kind": level, "prompt_len": len(prompt), "level_wall_s": wall_s,
+            samples.append({"workload": workload, "kind": level, "prompt_len": len(prompt), "level_wall_s": wall_s,
                             **sample})
     return samples
 
@@ -75,16 +77,15 @@ def summarize(samples: list[dict]) -> list[dict]:
     for (system, workload, kind), group in groups.items():
         lat = [s["latency_ms"] for s in group]
         tokens = sum(s["output_tokens"] for s in group)
-        if workload == "concurrency":
-            tokens_per_s = tokens / group[0]["level_wall_s"]
-        else:
-            tokens_per_s = tokens / (sum(lat) / 1e3)
+        level_s = group[0].get("level_wall_s")  # concurrency and throughput: the level's wall time
+        tokens_per_s = tokens / level_s if level_s else tokens / (sum(lat) / 1e3)
         cached = [s["cached_tokens"] for s in group if s.get("cached_tokens") is not None]
         p50 = statistics.median(lat)
         rows.append({
             "system": system, "workload": workload, "kind": kind, "n": len(group),
             "p50_ms": p50, "p90_ms": _percentile(lat, 0.9), "max_ms": max(lat),
             "ttft_p50_ms": statistics.median(s["ttft_ms"] for s in group), "output_tokens_per_s": tokens_per_s,
+            "requests_per_s": len(group) / level_s if level_s else None,
             "cached_tokens": statistics.fmean(cached) if cached else None,
             "max_over_p50": max(lat) / p50,
         })
@@ -97,14 +98,15 @@ def render_table(rows: list[dict]) -> str:
     if not rows:
         return ""
     out = ["", "| workload | kind | system | requests | p50 ms | p90 ms | max ms (x p50) | TTFT p50 ms | output tok/s "
-               "| cached tokens |",
-           "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+               "| requests/s | cached tokens |",
+           "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         cached = "-" if r["cached_tokens"] is None else f"{r['cached_tokens']:.0f}"
+        per_s = "-" if r.get("requests_per_s") is None else f"{r['requests_per_s']:.2f}"
         out.append(f"| {r['workload']} | {r['kind']} | {r['system']} | {r['n']} | {r['p50_ms']:.1f} "
                    f"| {r['p90_ms']:.1f} "
                    f"| {r['max_ms']:.1f} ({r['max_over_p50']:.2f}) | {r['ttft_p50_ms']:.1f} "
-                   f"| {r['output_tokens_per_s']:.0f} | {cached} |")
+                   f"| {r['output_tokens_per_s']:.0f} | {per_s} | {cached} |")
     return "\n".join(out) + "\n"
 
 
@@ -133,4 +135,5 @@ def render_chart(rows: list[dict], path) -> None:
     plt.close(fig)
 
 
-RUNS = {"chat": run_chat, "concurrency": run_concurrency}  # `qflash bench --workloads` names, in report order
+RUNS = {"chat": run_chat, "concurrency": run_concurrency,  # `qflash bench --workloads` names, in report order
+        "throughput": lambda send: run_concurrency(send, THROUGHPUT, "throughput")}
