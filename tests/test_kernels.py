@@ -15,7 +15,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from qflash.kernels import block_attention, config_table, gdn_verify, per_token_quant, w8a16_argmax, w8a16_gemm, w8a8_gemm
+from qflash.kernels import block_attention, config_table, conv_update, gdn_verify, per_token_quant, w8a16_argmax, w8a16_gemm, w8a8_gemm
 from qflash.server.tools import shapes
 from qflash.server import preset
 from conftest import REPO, run_python
@@ -261,14 +261,12 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
             done.append((module.__name__.split(".")[-1], config, "wgmma" in compiled.asm["ptx"]))
     pointers = {"q_ptr": "*bf16", "kbuf_ptr": "*bf16", "vbuf_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
                 "o_ptr": "*bf16", "kv_indptr": "*i32", "kv_indices": "*i64", "acc_ptr": "*fp32", "ml_ptr": "*fp32",
-                "sm_scale": "fp32"}
+                "count_ptr": "*i32", "sm_scale": "fp32"}
     for (dim, dv), config in block_attention.CONFIGS.items():
         for window in (0, 4095):
-            common = dict(GROUP=4, L=16, D=dim, DV=dv, NSPLIT=config["NSPLIT"], WINDOW=window, DOT_DTYPE=triton.language.bfloat16)
-            compile_for_sm90(block_attention._prefix_split_kernel, pointers, {**common, **config})
             for causal in (True, False):
-                compile_for_sm90(block_attention._merge_block_kernel, pointers,
-                                 {**common, "CAUSAL": causal, "BLOCK_N": config["BLOCK_N"], "num_warps": 4})
+                common = dict(GROUP=4, L=16, D=dim, DV=dv, WINDOW=window, CAUSAL=causal, DOT_DTYPE=triton.language.bfloat16)
+                compile_for_sm90(block_attention._block_attention_kernel, pointers, {**common, **config})
         done.append(("block_attention", config, None))
     heads = dict(H=16, HV=32, K=128, V=128, MAX_CACHE_LEN=gdn_verify.BLOCK_STEPS)  # Qwen3.5-4B's GDN
     pointers = {name: "*bf16" for name in ("a", "q", "k", "v", "b", "o", "rawv", "rawk")} | {
@@ -281,6 +279,11 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
     for config in distinct(gdn_verify.FOLD_CONFIGS.values()):
         compile_for_sm90(gdn_verify._gdn_fold_kernel, pointers, {**heads, "HAS_TRACK": True, **config})
         done.append(("gdn_fold", config, None))
+    pointers = {name: "*bf16" for name in ("x_ptr", "w_ptr", "bias_ptr", "state_ptr", "win_ptr", "o_ptr")} | {
+        "slots_ptr": "*i32", "win_slots_ptr": "*i32"}
+    config = dict(T=16, WIDTH=4, HAS_BIAS=True, BLOCK_N=conv_update.BLOCK_N, num_warps=conv_update.NUM_WARPS)
+    compile_for_sm90(conv_update._conv_update_kernel, pointers, config)
+    done.append(("conv_update", config, None))
     return done
 
 

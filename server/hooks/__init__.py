@@ -8,7 +8,7 @@ exceptions, and HookRegistry logs and skips a target it cannot resolve: either w
 running without qflash's fixes and nothing a user would notice. So a refusal is a SystemExit (`Refused`),
 which stops the server process, with one line naming what is missing and the SGLang version found.
 A change is anything with a `target` (what it changes, for the messages) and an `install()` that returns its
-in-place check: a `Hook`, a `Swap`, or a module's own class where neither reaches (a logger's filter, an entry
+in-place check: a `Hook`, or a module's own class where a hook cannot reach (a logger's filter, an entry
 of FastAPI's handler table).
 """
 
@@ -53,22 +53,6 @@ class Hook:
         original = resolve(self.target)
         HookRegistry.register(self.target, self.fn, HookType[self.kind])
         return lambda: resolve(self.target) is not original
-
-
-@dataclass(frozen=True)
-class Swap:
-    """A module attribute HookRegistry cannot wrap (a Triton kernel object is launched as `kernel[grid](...)`,
-    not called), replaced by `make(original)`."""
-
-    target: str
-    make: Callable[[Any], Any]
-
-    def install(self) -> Callable[[], bool]:
-        owner, _, attr = self.target.rpartition(".")
-        obj = pkgutil.resolve_name(owner)
-        replacement = self.make(getattr(obj, attr))
-        setattr(obj, attr, replacement)
-        return lambda: getattr(pkgutil.resolve_name(owner), attr) is replacement
 
 
 def install(changes: list, extra_check: Callable[[], list[str]] = lambda: []) -> list[str]:

@@ -14,16 +14,14 @@ EAGLE and NGRAM only; what qflash changes for DFLASH:
   steps on narrower tiles, so several warps share each SM. The verify is replaced where SGLang's fold path calls
   it (ring-writing GDN calls of one 16-token block per request; decode, EAGLE's snapshot calls and other lengths
   reach SGLang's kernel, whose rings are the same), the fold as a whole;
-- the causal-conv1d update before the verify: SGLang launches 256 channels per program (32 programs for one
-  request's 8,192 channels); each channel is a depthwise convolution of its own, so a narrower tile changes how
-  many programs share the work and never a result bit. The kernel object is swapped, launched by SGLang's own
-  launcher with qflash's BLOCK_N (whose grid divides by the BLOCK_N it launches).
-Retire when SGLang runs ReplaySSM under DFLASH with a block-solved verify and per-batch GDN fold tiles.
+- the causal-conv1d update before the verify: SGLang's kernel steps through the block's tokens one after another;
+  qflash's (kernels/conv_update.py) computes the block at once, to the same bits, for the verify's calls
+  (chained blocks saving per-step windows); any other call keeps SGLang's.
+Retire when SGLang runs ReplaySSM under DFLASH with a block-solved verify, per-batch GDN fold tiles and a
+block-at-once conv update.
 """
 
-from qflash.server.hooks import Hook, Swap
-
-CONV_UPDATE_BLOCK_N = 64  # channels per program of the causal-conv1d update (SGLang's: 256)
+from qflash.server.hooks import Hook
 
 
 def _fold_gdn_window_on_commit(original, self, **kwargs):
@@ -82,15 +80,10 @@ def _fold_on_qflash_tiles(*args, **kwargs):
     return gdn_verify.fold_all_layers(*args, **kwargs)
 
 
-class ChannelTiles:
-    """A Triton kernel launched with `block_n` channels per program, whatever BLOCK_N its launcher passes."""
+def _conv_update_on_qflash(original, *args, **kwargs):
+    from qflash.kernels import conv_update
 
-    def __init__(self, kernel, block_n: int):
-        self.kernel, self.block_n = kernel, block_n
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-        return lambda *args, **kwargs: launch(*args, **{**kwargs, "BLOCK_N": self.block_n})
+    return (conv_update.conv_update if conv_update.takes(*args, **kwargs) else original)(*args, **kwargs)
 
 
 FLA = "sglang.kernels.ops.attention.fla."
@@ -100,6 +93,5 @@ CHANGES = [
     Hook("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_hybrid_req_pool", _allow_gdn_fold_pool, "AROUND"),
     Hook(FLA + "fused_sigmoid_gating_recurrent.fused_sigmoid_gating_delta_rule_update", _verify_on_qflash_tiles, "AROUND"),
     Hook(FLA + "gdn_replayssm_spec_fold.commit_gdn_replayssm_fold_all_layers", _fold_on_qflash_tiles, "REPLACE"),
-    Swap("sglang.kernels.ops.mamba.causal_conv1d_triton._causal_conv1d_update_kernel",
-         lambda kernel: ChannelTiles(kernel, CONV_UPDATE_BLOCK_N)),
+    Hook("sglang.srt.layers.attention.linear.gdn_backend.causal_conv1d_update", _conv_update_on_qflash, "AROUND"),
 ]

@@ -37,7 +37,7 @@ FAMILIES = [
     ("Gated-DeltaNet", r"gated_delta|delta_rule|fused_recurrent|chunk_|gdn|conv1d|causal_conv|mamba|fused_gdn"),
     # norms before attention: flashinfer's norm kernels are named flashinfer::norm::...
     ("norms, rotary, activations", r"norm|rotary|rope|silu|gelu|act_and_mul|elementwise|vectorized|unrolled|reduce_kernel"),
-    ("attention", r"attention|attn|_fwd_kernel|decode_kernel|extend|flash|_prefix_split_kernel|_merge_block_kernel"),
+    ("attention", r"attention|attn|_fwd_kernel|decode_kernel|extend|flash"),
     ("sampling, argmax, top-k", r"argmax|argmin|topk|sort|softmax|sampl|cumsum|gather|scatter|index"),
     ("copies and fills", r"memcpy|memset|copy|fill|cat"),
 ]
