@@ -2,13 +2,11 @@
 
 Verify and draft forwards attend K = 16 new tokens to the whole context. SGLang's Triton extend kernel
 walks the cached prefix serially with one program per (request, head): 16 programs for the target at
-batch 1, however long the context. Here the prefix is split across NSPLIT
-programs per (request, KV head), flash-decoding style, each reading its keys once for all the query heads
-that share them; the last split to finish (an arrival counter per request and KV head, as split-K GEMMs do)
-merges the splits' partial softmax sums and adds the block's own keys (causal for the target, bidirectional
-for the DFlash drafter), with the same sliding-window rule as SGLang's kernel: one launch per layer. Its
-signature is that of SGLang's `verify_splitkv_fwd` (the Triton backend's verify hook): it returns False, doing
-nothing, for a case it does not serve.
+batch 1, however long the context. Here the prefix is split across NSPLIT programs per (request, KV head),
+flash-decoding style, each reading its keys once for all the query heads that share them; a second kernel merges
+the splits' partial softmax sums and adds the block's own keys (causal for the target, bidirectional for the DFlash
+drafter), with the same sliding-window rule as SGLang's kernel. Its signature is that of SGLang's
+`verify_splitkv_fwd` (the Triton backend's verify hook): it returns False, doing nothing, for a case it does not serve.
 """
 
 import os
@@ -24,42 +22,39 @@ NEG = tl.constexpr(-1.0e30)  # "no key seen yet": finite, so exp(NEG - NEG) = 1 
 
 
 @triton.jit
-def _block_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kbuf_ptr, vbuf_ptr, kv_indptr, kv_indices, acc_ptr, ml_ptr,
-                            count_ptr, sm_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-                            stride_ot, stride_oh, stride_kbt, stride_kbh, stride_vbt, stride_vbh,
-                            GROUP: tl.constexpr, L: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                            NSPLIT: tl.constexpr, WINDOW: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                            DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+def _prefix_split_kernel(q_ptr, kbuf_ptr, vbuf_ptr, kv_indptr, kv_indices, acc_ptr, ml_ptr, sm_scale,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                         GROUP: tl.constexpr, L: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                         NSPLIT: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                         PDL: tl.constexpr):
     # One program per (request, KV head, split): the GROUP query heads sharing the KV head are its
-    # GROUP * L rows, so each key and value of the split is read once. The last split to finish merges.
+    # GROUP * L rows, so each key and value of the split is read once.
     pdl.enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
     start = tl.load(kv_indptr + b)
     plen = tl.load(kv_indptr + b + 1) - start
-    per = tl.maximum(tl.cdiv(tl.cdiv(plen, NSPLIT), BLOCK_N) * BLOCK_N, BLOCK_N)
-    splits = tl.maximum(tl.cdiv(plen, per), 1)  # the splits that hold keys (one, empty, for no prefix)
-    if s >= splits:
+    per = tl.cdiv(tl.cdiv(plen, NSPLIT), BLOCK_N) * BLOCK_N
+    lo = s * per
+    if lo >= plen:  # past the prefix: the merge reads only the splits that hold keys
         return
-    R: tl.constexpr = GROUP * L
-    rows = tl.arange(0, R)
+    hi = tl.minimum(lo + per, plen)
+    rows = tl.arange(0, GROUP * L)
     head = kvh * GROUP + rows // L
     token = rows % L
     offs_d = tl.arange(0, D)
     offs_dv = tl.arange(0, DV)
     offs_n = tl.arange(0, BLOCK_N)
-    q_rows = q_ptr + (b * L + token)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_rows)
-    m_i = tl.full([R], NEG, tl.float32)
-    l_i = tl.zeros([R], tl.float32)
-    acc = tl.zeros([R, DV], tl.float32)
-    hi = tl.minimum(s * per + per, plen)
-    for n0 in range(s * per, hi, BLOCK_N):
+    q = tl.load(q_ptr + (b * L + token)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :])
+    m_i = tl.full([GROUP * L], NEG, tl.float32)
+    l_i = tl.zeros([GROUP * L], tl.float32)
+    acc = tl.zeros([GROUP * L, DV], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
         n = n0 + offs_n
         mask_n = n < hi
         loc = tl.load(kv_indices + start + n, mask=mask_n, other=0)
-        k = tl.load(kbuf_ptr + loc[None, :] * stride_kbt + kvh * stride_kbh + offs_d[:, None], mask=mask_n[None, :], other=0.0)
+        k = tl.load(kbuf_ptr + loc[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None], mask=mask_n[None, :], other=0.0)
         qk = tl.dot(q.to(DOT_DTYPE), k.to(DOT_DTYPE)) * sm_scale
         visible = mask_n[None, :]
         if WINDOW > 0:  # query token i sits at prefix position plen + i
@@ -68,69 +63,82 @@ def _block_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kbuf_ptr, vbuf_ptr, kv_i
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(qk - m_new[:, None])
-        v = tl.load(vbuf_ptr + loc[:, None] * stride_vbt + kvh * stride_vbh + offs_dv[None, :], mask=mask_n[:, None], other=0.0)
+        v = tl.load(vbuf_ptr + loc[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :], mask=mask_n[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(DOT_DTYPE), v.to(DOT_DTYPE))
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
+    part = (b * tl.num_programs(1) * GROUP + head) * NSPLIT + s  # partials per (request, query head, split)
+    tl.store(acc_ptr + (part * L + token)[:, None] * DV + offs_dv[None, :], acc)
+    tl.store(ml_ptr + part * 2 * L + token, m_i)
+    tl.store(ml_ptr + part * 2 * L + L + token, l_i)
 
-    if splits > 1:  # hand the partial sums over; the last split to arrive merges them in split order
-        tile = b * tl.num_programs(1) + kvh
-        part = tile * NSPLIT + s
-        tl.store(acc_ptr + (part * R + rows)[:, None] * DV + offs_dv[None, :], acc)
-        tl.store(ml_ptr + part * 2 * R + rows, m_i)
-        tl.store(ml_ptr + part * 2 * R + R + rows, l_i)
-        tl.debug_barrier()  # every thread's share is in before the tile's counter moves
-        if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") != splits - 1:
-            return
-        tl.atomic_xchg(count_ptr + tile, 0)  # zero for the next call
-        m_i = tl.full([R], NEG, tl.float32)
-        l_i = tl.zeros([R], tl.float32)
-        acc = tl.zeros([R, DV], tl.float32)
-        for t in range(0, splits):
-            part = tile * NSPLIT + t
-            m_s = tl.load(ml_ptr + part * 2 * R + rows)
-            l_s = tl.load(ml_ptr + part * 2 * R + R + rows)
-            m_new = tl.maximum(m_i, m_s)
-            alpha = tl.exp(m_i - m_new)
-            beta = tl.exp(m_s - m_new)
-            acc = acc * alpha[:, None] + tl.load(acc_ptr + (part * R + rows)[:, None] * DV + offs_dv[None, :]) * beta[:, None]
-            l_i = l_i * alpha + l_s * beta
-            m_i = m_new
 
-    # the block's own keys: causal for the target, bidirectional for the DFlash drafter
-    offs_l = tl.arange(0, L)
-    block_rows = b * L + offs_l
-    k = tl.load(k_ptr + block_rows[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None])
-    qk = tl.dot(tl.load(q_rows).to(DOT_DTYPE), k.to(DOT_DTYPE)) * sm_scale
-    visible = token[:, None] >= 0
+@triton.jit
+def _merge_block_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kv_indptr, acc_ptr, ml_ptr, sm_scale,
+                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                        GROUP: tl.constexpr, L: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                        NSPLIT: tl.constexpr, WINDOW: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+    # One program per (request, query head, BLOCK_DV value columns). The splits' maxima come first, so each
+    # split's weight is known before its partial sums are read: those loads (CHUNK splits at a time, unrolled)
+    # do not wait on one another, where a running rescale would chain one load latency per split.
+    pdl.enter(PDL)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // GROUP
+    plen = tl.load(kv_indptr + b + 1) - tl.load(kv_indptr + b)
+    per = tl.maximum(tl.cdiv(tl.cdiv(plen, NSPLIT), BLOCK_N) * BLOCK_N, 1)
+    splits = tl.cdiv(plen, per)  # the splits that held keys (the split kernel's rule)
+    offs_m = tl.arange(0, L)
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    offs_s = tl.arange(0, NSPLIT)
+    first = (b * tl.num_programs(1) + h) * NSPLIT  # this head's first partial
+    held = (offs_s < splits)[:, None]
+    ml = ml_ptr + (first + offs_s)[:, None] * 2 * L + offs_m[None, :]
+    m_s = tl.load(ml, mask=held, other=NEG)
+    l_s = tl.load(ml + L, mask=held, other=0.0)
+    m_i = tl.max(m_s, 0)
+    w = tl.exp(m_s - m_i[None, :])
+    l_i = tl.sum(w * l_s, 0)
+    acc = tl.zeros([L, BLOCK_DV], tl.float32)
+    for c in tl.static_range(0, NSPLIT, CHUNK):
+        s = c + tl.arange(0, CHUNK)
+        part = ((first + s)[:, None, None] * L + offs_m[None, :, None]) * DV + offs_dv[None, None, :]
+        a = tl.load(acc_ptr + part, mask=(s < splits)[:, None, None], other=0.0)
+        w_c = tl.exp(tl.load(ml_ptr + (first + s)[:, None] * 2 * L + offs_m[None, :], mask=(s < splits)[:, None],
+                             other=NEG) - m_i[None, :])
+        acc += tl.sum(a * w_c[:, :, None], 0)
+    rows = b * L + offs_m
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :])
+    k = tl.load(k_ptr + rows[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None])
+    qk = tl.dot(q.to(DOT_DTYPE), k.to(DOT_DTYPE)) * sm_scale
+    visible = offs_m[:, None] >= 0
     if CAUSAL:
-        visible = token[:, None] >= offs_l[None, :]
+        visible = offs_m[:, None] >= offs_m[None, :]
     if WINDOW > 0:
-        visible = visible & (token[:, None] <= offs_l[None, :] + WINDOW)
+        visible = visible & (offs_m[:, None] <= offs_m[None, :] + WINDOW)
     qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(qk - m_new[:, None])
-    v = tl.load(v_ptr + block_rows[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :])
+    v = tl.load(v_ptr + rows[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :])
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(DOT_DTYPE), v.to(DOT_DTYPE))
     l_i = l_i * alpha + tl.sum(p, 1)
     out = acc / l_i[:, None]
-    tl.store(o_ptr + (b * L + token)[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
-             out.to(o_ptr.dtype.element_ty))
+    tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_dv[None, :], out.to(o_ptr.dtype.element_ty))
 
 
-_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _scratch(device, rows: int, kv_heads: int, nsplit: int, tile_rows: int, dv: int) -> tuple[torch.Tensor, ...]:
-    """Partial sums per (request, KV head, split) and each (request, KV head)'s arrival counter (kept zeroed),
-    allocated once per shape for the largest batch the server admits, so CUDA graphs captured at any batch
-    size keep valid addresses."""
-    key = (str(device), kv_heads, nsplit, tile_rows, dv)
+def _scratch(device, rows: int, heads: int, nsplit: int, block: int, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial sums per (request, head, split), allocated once per shape for the largest batch the server
+    admits, so CUDA graphs captured at any batch size keep valid addresses."""
+    key = (str(device), heads, nsplit, block, dv)
     if key not in _SCRATCH or _SCRATCH[key][0].shape[0] < rows:
-        _SCRATCH[key] = (torch.empty((rows, kv_heads, nsplit, tile_rows, dv), dtype=torch.float32, device=device),
-                         torch.empty((rows, kv_heads, nsplit, 2, tile_rows), dtype=torch.float32, device=device),
-                         torch.zeros((rows, kv_heads), dtype=torch.int32, device=device))
+        _SCRATCH[key] = (torch.empty((rows, heads, nsplit, block, dv), dtype=torch.float32, device=device),
+                         torch.empty((rows, heads, nsplit, 2, block), dtype=torch.float32, device=device))
     return _SCRATCH[key]
 
 
@@ -154,22 +162,28 @@ def block_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, 
         return False
     config = dict(config)
     nsplit = config.pop("NSPLIT")
-    group = heads // kv_heads
-    acc, ml, counts = _scratch(q_extend.device, max(bs, max_bs or 0), kv_heads, nsplit, group * block, dv)
+    acc, ml = _scratch(q_extend.device, max(bs, max_bs or 0), heads, nsplit, block, dv)
     sm_scale = sm_scale if sm_scale is not None else dim ** -0.5
     window = sliding_window_size if sliding_window_size is not None and sliding_window_size > 0 else 0
-    _block_attention_kernel[(bs, kv_heads, nsplit)](
-        q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, kv_indptr, kv_indices, acc, ml, counts, sm_scale,
-        q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1), v_extend.stride(0),
-        v_extend.stride(1), o_extend.stride(0), o_extend.stride(1), k_buffer.stride(0), k_buffer.stride(1),
-        v_buffer.stride(0), v_buffer.stride(1), GROUP=group, L=block, D=dim, DV=dv, NSPLIT=nsplit, WINDOW=window,
-        CAUSAL=bool(is_causal), DOT_DTYPE=DOT_DTYPE, **pdl.options(q_extend.device), **config)
+    common = dict(GROUP=heads // kv_heads, L=block, D=dim, DV=dv, NSPLIT=nsplit, WINDOW=window, DOT_DTYPE=DOT_DTYPE,
+                  **pdl.options(q_extend.device))
+    _prefix_split_kernel[(bs, kv_heads, nsplit)](
+        q_extend, k_buffer, v_buffer, kv_indptr, kv_indices, acc, ml, sm_scale,
+        q_extend.stride(0), q_extend.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        **common, **config)
+    merge_dv = min(MERGE_DV, dv)
+    _merge_block_kernel[(bs, heads, dv // merge_dv)](
+        q_extend, k_extend, v_extend, o_extend, kv_indptr, acc, ml, sm_scale,
+        q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1), v_extend.stride(0), v_extend.stride(1),
+        o_extend.stride(0), o_extend.stride(1), **common, CAUSAL=bool(is_causal), BLOCK_N=config["BLOCK_N"],
+        BLOCK_DV=merge_dv, CHUNK=min(MERGE_CHUNK, nsplit), num_warps=4)
     return True
 
 
+MERGE_DV, MERGE_CHUNK = 32, 8  # a merge program's value columns and the splits it reads at once: 32 registers a thread
 # (head dim, value head dim) -> prefix-split launch config: Qwen3.5-4B's target (256, 4 KV heads) and the
 # DFlash drafter (128, 8 KV heads), the best of a sweep on the H200 at long prefixes (BENCHMARKS.md).
 CONFIGS = {
-    (256, 256): dict(NSPLIT=16, BLOCK_N=64, num_warps=8, num_stages=2),
+    (256, 256): dict(NSPLIT=32, BLOCK_N=32, num_warps=4, num_stages=3),
     (128, 128): dict(NSPLIT=16, BLOCK_N=64, num_warps=8, num_stages=2),
 }

@@ -261,12 +261,15 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
             done.append((module.__name__.split(".")[-1], config, "wgmma" in compiled.asm["ptx"]))
     pointers = {"q_ptr": "*bf16", "kbuf_ptr": "*bf16", "vbuf_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
                 "o_ptr": "*bf16", "kv_indptr": "*i32", "kv_indices": "*i64", "acc_ptr": "*fp32", "ml_ptr": "*fp32",
-                "count_ptr": "*i32", "sm_scale": "fp32"}
+                "sm_scale": "fp32"}
     for (dim, dv), config in block_attention.CONFIGS.items():
         for window in (0, 4095):
+            common = dict(GROUP=4, L=16, D=dim, DV=dv, NSPLIT=config["NSPLIT"], WINDOW=window, DOT_DTYPE=triton.language.bfloat16)
+            compile_for_sm90(block_attention._prefix_split_kernel, pointers, {**common, **config})
             for causal in (True, False):
-                common = dict(GROUP=4, L=16, D=dim, DV=dv, WINDOW=window, CAUSAL=causal, DOT_DTYPE=triton.language.bfloat16)
-                compile_for_sm90(block_attention._block_attention_kernel, pointers, {**common, **config})
+                compile_for_sm90(block_attention._merge_block_kernel, pointers,
+                                 {**common, "CAUSAL": causal, "BLOCK_N": config["BLOCK_N"], "BLOCK_DV": block_attention.MERGE_DV,
+                                  "CHUNK": block_attention.MERGE_CHUNK, "num_warps": 4})
         done.append(("block_attention", config, None))
     heads = dict(H=16, HV=32, K=128, V=128, MAX_CACHE_LEN=gdn_verify.BLOCK_STEPS)  # Qwen3.5-4B's GDN
     pointers = {name: "*bf16" for name in ("a", "q", "k", "v", "b", "o", "rawv", "rawk")} | {
