@@ -3,10 +3,13 @@ first requests would otherwise compile (a Triton kernel compiled on first use co
 
 CUDA graphs already hold every batch size's draft and verify and the prefill buckets; what runs eagerly and
 specializes per shape is the rest: batches of fresh prefills (1 to MAX_RUNNING_REQUESTS of mixed lengths, each batch
-then decoding together), extends over a cached prefix (radix-cache hits at its 256-token checkpoints, by lengths
-with and without a 16-divisible remainder), a logprob request and a grammar's first compile. The last request
-carries DONE_RID, which ends start-up in the server's compile watch (server/hooks/compile_watch.py); the radix
-cache is flushed after, so the warm-up's prompts hold no cache memory.
+then decoding together for whole windows of cycles, whose packing kernel and cycle graphs are made on first use),
+requests that arrive one after another and join a batch already decoding (more than it can run, so some queue; of
+odd lengths and different output lengths, so batches grow and shrink and the KV allocator's slices start at odd
+slots, which Triton specializes SGLang's slot-assignment kernel on), extends over a cached prefix (radix-cache hits
+at its 256-token checkpoints, by lengths with and without a 16-divisible remainder), a logprob request and a
+grammar's first compile. The last request carries DONE_RID, which ends start-up in the server's compile watch
+(server/hooks/compile_watch.py); the radix cache is flushed after, so the warm-up's prompts hold no cache memory.
 """
 
 import concurrent.futures
@@ -14,10 +17,15 @@ import time
 import urllib.error
 from typing import Callable
 
-from qflash.server.preset import MAX_RUNNING_REQUESTS
+from qflash.server import window
+from qflash.server.preset import BLOCK_SIZE, MAX_RUNNING_REQUESTS
 
 DONE_RID = "qflash-warm-up-done"
 WARM_UP_LOG = "qflash: warm-up: {count} requests in {seconds:.1f} s"
+# After a prefill's token and the first decode step's one cycle, room for a full window even when every cycle
+# accepts the whole block, then a shorter one.
+WINDOW_TOKENS = (window.MAX_CYCLES + 2) * BLOCK_SIZE
+ARRIVAL_GAP_S = 0.02  # between the arrivals of a staggered round: each lands while the ones before it decode
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -29,15 +37,18 @@ def body(ids: list[int], tokens: int = 8, **extra) -> dict:
     return {"input_ids": ids, "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}, **extra}
 
 
-def rounds() -> list[list[dict]]:
-    """Request bodies by round; a round's requests are sent at once, so they batch."""
-    plan = [[body(prompt(20 + 37 * i + 100 * width, 10 * width + i)) for i in range(width)]
+def rounds() -> list[tuple[float, list[dict]]]:
+    """Request bodies by round, with the gap between a round's arrivals: a round of gap 0 is sent at once, so it
+    batches; the rounds run one after another."""
+    plan = [(0.0, [body(prompt(20 + 37 * i + 100 * width, 10 * width + i), WINDOW_TOKENS) for i in range(width)])
             for width in range(1, MAX_RUNNING_REQUESTS + 1)]
+    plan += [(ARRIVAL_GAP_S, [body(prompt(33 + 128 * i, 100 + i), WINDOW_TOKENS - 7 * i)
+                              for i in range(2 * MAX_RUNNING_REQUESTS)])]
     cached = prompt(600, 1)
-    plan += [[body(cached)]] + [[body(cached + prompt(extra, 2 + n))] for n, extra in enumerate((16, 45, 300))]
-    plan += [[body(prompt(100, 6), return_logprob=True, top_logprobs_num=2)],
-             [{"text": "0", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "regex": "[0-9]{1,4}"}}],
-             [body(prompt(16, 7), 1, rid=DONE_RID)]]
+    plan += [(0.0, [body(cached)])] + [(0.0, [body(cached + prompt(extra, 2 + n))]) for n, extra in enumerate((16, 45, 300))]
+    plan += [(0.0, [body(prompt(100, 6), return_logprob=True, top_logprobs_num=2)]),
+             (0.0, [{"text": "0", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "regex": "[0-9]{1,4}"}}]),
+             (0.0, [body(prompt(16, 7), 1, rid=DONE_RID)])]
     return plan
 
 
@@ -53,9 +64,13 @@ def run(post: Callable[..., None]) -> str:
         except urllib.error.HTTPError as exc:
             refused.append(f"{exc.code} {exc.read().decode(errors='replace')[:200]}")
 
-    with concurrent.futures.ThreadPoolExecutor(MAX_RUNNING_REQUESTS) as pool:
-        for batch in rounds():
-            list(pool.map(generate, batch))
+    def arrive(gap_s: float, order: int, payload: dict) -> None:
+        time.sleep(gap_s * order)
+        generate(payload)
+
+    with concurrent.futures.ThreadPoolExecutor(2 * MAX_RUNNING_REQUESTS) as pool:
+        for gap_s, batch in rounds():
+            list(pool.map(arrive, [gap_s] * len(batch), range(len(batch)), batch))
             sent += len(batch)
     line = WARM_UP_LOG.format(count=sent, seconds=time.monotonic() - start)
     if refused:

@@ -85,7 +85,7 @@ if [ -n "${BENCH:-}" ]; then
   timeout "${BENCH_TIMEOUT:-480}" python3 -m qflash.server.cli bench --systems "$BENCH" --out /tmp/bench ${BENCH_ARGS:-} > /tmp/bench.log 2>&1 || status=1
   tail -n 40 /tmp/bench.log
   pkill -f sglang.launch_server
-  cp /tmp/bench/results.json /tmp/bench/results.md /tmp/bench/run.json /tmp/bench/latency.png "$OUT/" 2>/dev/null
+  cp /tmp/bench/results.json /tmp/bench/results.md /tmp/bench/run.json /tmp/bench/latency.png /tmp/bench/workloads.png "$OUT/" 2>/dev/null
   cp /tmp/bench/profiles/*.md /tmp/bench/profiles/*.json "$OUT/" 2>/dev/null
   for d in /tmp/bench/profiles/traces/*/; do cp "$d"*.trace.json.gz "$OUT/$(basename "$d").trace.json.gz" 2>/dev/null; done
   grep -h -A3 "^Per step" /tmp/bench/profiles/*.md 2>/dev/null | head -40

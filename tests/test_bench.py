@@ -242,6 +242,32 @@ def test_a_bench_stopped_while_it_profiles_keeps_its_timed_rows(tmp_path, monkey
     assert f"(host: {host['cpu']}, {host['cores']} cores, Python probe {host['python_probe_ms']} ms)" in (tmp_path / "results.md").read_text()
 
 
+def test_the_results_say_what_each_server_compiled_while_serving(tmp_path, monkeypatch):
+    """A Triton compile after ready makes a user's request wait: each qflash run says how many and of which kernels
+    (read from the lines of server/hooks/compile_watch.py; a stock server's log has none and is left out)."""
+    from qflash.server.hooks.compile_watch import STARTUP, WHILE_SERVING
+
+    logs = {"sglang-bf16": "[t] The server is fired up and ready to roll!\n",
+            "qflash": "\n".join([STARTUP.format(count=112, seconds=1.2)] + [
+                WHILE_SERVING.format(name=name, ms=2, count=n, variant="v") for n, name in
+                enumerate(["qflash.kernels.window_pack._pack_cycle_kernel"] * 2 + ["sglang.srt.x.k"], 1)])}
+
+    @contextlib.contextmanager
+    def server(system, log_path, *args, **kwargs):
+        log_path.write_text(logs[system])
+        yield SimpleNamespace(base_url=f"http://{system}", log=lambda: logs[system])
+
+    sample = {"latency_ms": 300.0, "ttft_ms": 50.0, "output_tokens": 256, "accept_len": 6.5, "verify_steps": 40}
+    monkeypatch.setattr(bench, "system_server", server)
+    monkeypatch.setattr(bench, "time_request", lambda url, ids: dict(sample))
+    assert bench.run_bench(["sglang-bf16", "qflash"], tmp_path, [64], timed=1, acc_len=6.5, profile_steps=0) == 0
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["compiles_while_serving"] == {"sglang-bf16": None, "qflash": [
+        "qflash.kernels.window_pack._pack_cycle_kernel", "qflash.kernels.window_pack._pack_cycle_kernel", "sglang.srt.x.k"]}
+    assert ("Triton compiles while serving (server/hooks/compile_watch.py): qflash 3 "
+            "(qflash.kernels.window_pack._pack_cycle_kernel, sglang.srt.x.k)\n") in (tmp_path / "results.md").read_text()
+
+
 def test_host_info_names_the_cpu_of_proc_cpuinfo():
     import os
     import re

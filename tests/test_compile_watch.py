@@ -7,12 +7,16 @@ from qflash.server.hooks import compile_watch
 from qflash.server.hooks.compile_watch import CompileLog
 
 
+VARIANT = "_fwd_kernel[num_warps=4, num_ctas=1, num_stages=2](Q: ('*bf16', 'D'), O: ('*i64', ''))"
+
+
 def compile_once(log: CompileLog, module: str = "qflash.kernels.w8a8_gemm", name: str = "_w8a8_gemm_kernel"):
-    """What Triton's JIT does around one compile: both hooks, with the function's info (triton's JitFunctionInfo)."""
+    """What Triton's JIT does around one compile: both hooks, with the function's info (triton's JitFunctionInfo)
+    and its description of the variant."""
     from triton.runtime.jit import JitFunctionInfo
 
-    assert log.before(key="k", repr="r", fn=None, compile={}, is_manual_warmup=False, already_compiled=False) is None
-    log.after(key="k", repr="r", fn=JitFunctionInfo(module, name, None), compile={}, is_manual_warmup=False,
+    assert log.before(key="k", repr=VARIANT, fn=None, compile={}, is_manual_warmup=False, already_compiled=False) is None
+    log.after(key="k", repr=VARIANT, fn=JitFunctionInfo(module, name, None), compile={}, is_manual_warmup=False,
               already_compiled=False)
 
 
@@ -28,7 +32,8 @@ def test_start_up_compiles_are_counted_and_each_compile_while_serving_is_logged(
         compile_once(log, "sglang.srt.layers.attention.triton_ops.extend_attention", "_fwd_kernel")
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
         "qflash: Triton compiled sglang.srt.layers.attention.triton_ops.extend_attention._fwd_kernel while serving"]
-    assert caplog.records[0].levelno == logging.WARNING and "compiles while serving: 1)" in caplog.records[0].getMessage()
+    assert caplog.records[0].levelno == logging.WARNING
+    assert caplog.records[0].getMessage().endswith(f"compiles while serving: 1): {VARIANT}")
     assert (log.count, log.while_serving) == (3, 1)
 
 
@@ -69,3 +74,18 @@ def test_a_hook_set_before_qflash_still_runs_and_its_answer_stands():
     seen = []
     chained = compile_watch._chained(lambda **kw: seen.append(kw["key"]) or True, lambda **kw: None)
     assert chained(key="k") is True and seen == ["k"]  # e.g. a tool that tells Triton to skip the compile
+
+
+def test_a_server_log_gives_back_the_kernels_compiled_while_serving(caplog):
+    """What `qflash bench` reports per server, read from the lines the watch writes (None without its start-up)."""
+    log = CompileLog()
+    with caplog.at_level(logging.INFO, logger=compile_watch.logger.name):
+        compile_once(log)
+        started = log.serving_starts()
+        assert compile_watch.compiles_while_serving(f"[t] {started}\n") == []
+        compile_once(log, "sglang.srt.mem_cache.allocation", "assign_req_to_token_pool")
+        compile_once(log, "qflash.kernels.window_pack", "_pack_cycle_kernel")
+    text = "\n".join(["[t] serving", started] + [f"[t] {r.getMessage()}" for r in caplog.records])
+    assert compile_watch.compiles_while_serving(text) == [
+        "sglang.srt.mem_cache.allocation.assign_req_to_token_pool", "qflash.kernels.window_pack._pack_cycle_kernel"]
+    assert compile_watch.compiles_while_serving("[t] The server is fired up and ready to roll!\n") is None

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import API, SERVED as BASE, served_log
+from qflash.server.tools import workloads
 from qflash.server.warm_up import prompt
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -22,11 +23,14 @@ def generate(ids: list[int], tokens: int = 32, **extra) -> dict:
 
 def mixed_workload() -> None:
     """What users send after ready: batched fresh prefills of mixed lengths, every batch size of decoding (1-8),
-    turns that extend a cached prefix by different lengths, a stream, logprobs, a regex; other lengths and prompts
-    than the warm-up's (server/warm_up.py), so that it must have reached the variants, not these requests."""
+    `qflash bench`'s concurrency sweep (2, 4 and 16 in flight, 64-8,192 tokens, 256 out: requests join batches
+    already decoding, some queue, every batch decodes for whole windows), turns that extend a cached prefix by
+    different lengths, a stream, logprobs, a regex; other lengths and prompts than the warm-up's
+    (server/warm_up.py), so that it must have reached the variants, not these requests."""
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         for width in range(1, 9):
             list(pool.map(lambda i: generate(prompt(64 + 301 * i, 1000 + 100 * width + i)), range(width)))
+    workloads.run_concurrency(lambda ids: {"output_ids": generate(ids, 256)["output_ids"]}, levels=(2, 4, 16))
     history = prompt(2048, 5000)
     for turn in range(4):  # a conversation: each turn's prompt is the last one plus its answer and a new message
         answer = generate(history, 48)

@@ -334,14 +334,16 @@ def test_a_window_length_out_of_range_is_a_one_line_error(cache):
 
 
 def test_the_warm_up_batches_every_width_extends_a_cached_prefix_and_ends_start_up(monkeypatch):
-    """server/warm_up.py against a stub server: each round's requests arrive together, with the API key; the
-    last request is the marker that ends start-up in the compile watch; then the radix cache is flushed."""
+    """server/warm_up.py against a stub server: each round's requests arrive together, or one after another where
+    the round says so, with the API key; the last request is the marker that ends start-up in the compile watch;
+    then the radix cache is flushed."""
     import http.server
     import threading
+    from types import SimpleNamespace
 
-    from qflash.server import warm_up
+    from qflash.server import warm_up, window
     from qflash.server.launcher import ServerProcess
-    from qflash.server.preset import MAX_RUNNING_REQUESTS
+    from qflash.server.preset import BLOCK_SIZE, MAX_RUNNING_REQUESTS
 
     seen, lock = [], threading.Lock()
 
@@ -357,6 +359,8 @@ def test_the_warm_up_batches_every_width_extends_a_cached_prefix_and_ends_start_
         def log_message(self, *args):
             pass
 
+    waits = []
+    monkeypatch.setattr(warm_up, "time", SimpleNamespace(sleep=waits.append, monotonic=time.monotonic))
     stub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=stub.serve_forever, daemon=True).start()
     try:
@@ -365,11 +369,21 @@ def test_the_warm_up_batches_every_width_extends_a_cached_prefix_and_ends_start_
         stub.shutdown()
         stub.server_close()
     rounds = warm_up.rounds()
-    assert line.startswith(f"qflash: warm-up: {sum(map(len, rounds))} requests in ")
-    assert [len(r) for r in rounds[:MAX_RUNNING_REQUESTS]] == list(range(1, MAX_RUNNING_REQUESTS + 1))
+    count = sum(len(r) for _, r in rounds)
+    assert line.startswith(f"qflash: warm-up: {count} requests in ")
+    assert [len(r) for _, r in rounds[:MAX_RUNNING_REQUESTS]] == list(range(1, MAX_RUNNING_REQUESTS + 1))
     generated = [body for path, _, body in seen if path == "/generate"]
-    assert len(generated) == sum(map(len, rounds)) and all(auth == "Bearer k3y" for _, auth, _ in seen)
+    assert len(generated) == count and all(auth == "Bearer k3y" for _, auth, _ in seen)
     assert generated[-1]["rid"] == warm_up.DONE_RID and [path for path, _, _ in seen[-1:]] == ["/flush_cache"]
+    # each batch decodes for a whole window of cycles that accept the whole block, after the prefill's token and
+    # the first decode step's one cycle
+    full_window = 1 + BLOCK_SIZE * (1 + window.MAX_CYCLES)
+    assert all(b["sampling_params"]["max_new_tokens"] > full_window for _, r in rounds[:MAX_RUNNING_REQUESTS] for b in r)
+    gap_s, staggered = next((gap_s, r) for gap_s, r in rounds if gap_s)
+    assert len(staggered) > MAX_RUNNING_REQUESTS  # more than a batch runs: some queue
+    assert all(len(b["input_ids"]) % 2 for b in staggered)
+    # one after another: the n-th request of that round waits n gaps before it is sent, the others none
+    assert sorted(filter(None, waits)) == pytest.approx([gap_s * n for n in range(1, len(staggered))])
     prefix = warm_up.prompt(600, 1)
     cached = [b["input_ids"] for b in generated if b.get("input_ids", [])[:600] == prefix]
     assert sorted(map(len, cached)) == [600, 616, 645, 900]  # a prefix, then three extends over it cached

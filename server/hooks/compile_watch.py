@@ -10,6 +10,7 @@ started without it reports no compile one by one. Retire when SGLang reports or 
 """
 
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -19,7 +20,12 @@ from qflash.server.hooks import Hook
 
 logger = logging.getLogger(__name__)
 STARTUP = "qflash: {count} Triton kernel variants compiled during start-up and warm-up, {seconds:.1f} s of compiling"
-WHILE_SERVING = "qflash: Triton compiled {name} while serving ({ms:.0f} ms; compiles while serving: {count})"
+# The variant is Triton's own description (launch options, each argument's type and specialization, e.g. a
+# pointer's 16-byte alignment), so a compile while serving says what the warm-up did not reach.
+WHILE_SERVING = "qflash: Triton compiled {name} while serving ({ms:.0f} ms; compiles while serving: {count}): {variant}"
+# The two lines read back from a server's log (tests/test_compile_watch.py checks them against the formats).
+_STARTUP_LINE = re.compile(r"qflash: \d+ Triton kernel variants compiled during start-up and warm-up")
+_WHILE_SERVING_NAME = re.compile(r"qflash: Triton compiled (\S+) while serving \(")
 
 
 class CompileLog:
@@ -33,13 +39,14 @@ class CompileLog:
         self._started.at = time.perf_counter()
         return None  # a true value would tell Triton to skip the compile
 
-    def after(self, *, fn, **_) -> None:
+    def after(self, *, fn, **call) -> None:
         seconds = time.perf_counter() - getattr(self._started, "at", time.perf_counter())
         self.count += 1
         self.seconds += seconds
         if self.serving:
             self.while_serving += 1
-            logger.warning(WHILE_SERVING.format(name=f"{fn.module}.{fn.name}", ms=seconds * 1e3, count=self.while_serving))
+            logger.warning(WHILE_SERVING.format(name=f"{fn.module}.{fn.name}", ms=seconds * 1e3, count=self.while_serving,
+                                                variant=call.get("repr", "")))
 
     def serving_starts(self) -> str:
         self.serving = True
@@ -75,6 +82,14 @@ def _chained(earlier, ours):
         return earlier(**kwargs)
 
     return both
+
+
+def compiles_while_serving(log: str) -> list[str] | None:
+    """The kernels a server's log says were compiled while serving, in order; None where the log has no start-up
+    line (a server without qflash's warm-up, whose compiles are not told apart)."""
+    if not _STARTUP_LINE.search(log):
+        return None
+    return _WHILE_SERVING_NAME.findall(log)
 
 
 def _end_start_up_after_the_warm_up(self, recv_req, *args, **kwargs):

@@ -21,7 +21,7 @@ import requests
 from tqdm import tqdm
 
 from qflash.server.errors import UserError
-from qflash.server.hooks import cycle_meter
+from qflash.server.hooks import compile_watch, cycle_meter
 from qflash.server.launcher import ServerDied, require_gpu
 from qflash.server.preset import PREFIX_CACHE, PROMPT_BUCKETS
 from qflash.server.tools import workloads
@@ -207,6 +207,17 @@ def render_host_stages(rows: list[dict]) -> list[str]:
     return out
 
 
+def render_compiles(compiles: dict[str, list[str] | None]) -> str:
+    """One line: how many Triton compiles each server's requests waited for after its start-up and warm-up, and of
+    which kernels (servers whose log does not tell them apart, None, left out)."""
+    watched = {system: names for system, names in compiles.items() if names is not None}
+    if not watched:
+        return ""
+    told = [f"{system} {len(names)}" + (f" ({', '.join(dict.fromkeys(names))})" if names else "")
+            for system, names in watched.items()]
+    return f"\nTriton compiles while serving (server/hooks/compile_watch.py): {'; '.join(told)}\n"
+
+
 def render_chart(rows: list[dict], path: Path) -> None:
     """Grouped bars: median latency per bucket, one bar per system, log scale (the baseline is ~40x)."""
     import matplotlib
@@ -322,7 +333,7 @@ def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc
         "protocol": {"buckets": buckets, "output_len": OUTPUT_LEN, "timed": timed, "warmup": 1,
                      "acc_len": acc_len, "greedy": True, "ignore_eos": True},
         "qflash_prefix_cache": prefix_cache, "gpu_cycle_ms": {}, "workloads": list(workload_names),
-        "replicas": replicas, "share_gpus": share_gpus,
+        "replicas": replicas, "share_gpus": share_gpus, "compiles_while_serving": {},
     }
     replicated = [f"qflash x{replicas}"] if replicas > 1 else []
     samples, errors = [], {}
@@ -349,6 +360,9 @@ def run_bench(systems: list[str], out: Path, buckets: list[int], timed: int, acc
             except (ServerDied, TimeoutError, RuntimeError, requests.RequestException) as exc:
                 errors[system] = str(exc)
                 tqdm.write(f"{system}: FAILED: {exc}")
+            log = out / "logs" / f"{system}.log"
+            if system != "baseline" and system not in replicated and log.exists():
+                meta["compiles_while_serving"][system] = compile_watch.compiles_while_serving(log.read_text(errors="replace"))
             table = write_results(out, meta, samples, errors)
     print(table)
     return 1 if errors else 0
@@ -364,7 +378,7 @@ def write_results(out: Path, meta: dict, samples: list[dict], errors: dict[str, 
     on = f" (host: {host['cpu']}, {host['cores']} cores, Python probe {host['python_probe_ms']} ms)" if host else ""
     workload_rows = workloads.summarize(meta.get("workload_samples", []))
     table = (f"{meta['date']}, {meta['machine']}{on}: `{meta['command']}`\n\n" + render_table(rows, errors)
-             + workloads.render_table(workload_rows))
+             + workloads.render_table(workload_rows) + render_compiles(meta.get("compiles_while_serving", {})))
     (out / "results.md").write_text(table)
     if rows:
         render_chart(rows, out / "latency.png")
