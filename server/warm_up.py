@@ -5,8 +5,9 @@ CUDA graphs already hold every batch size's draft and verify and the prefill buc
 specializes per shape is the rest: batches of fresh prefills (1 to MAX_RUNNING_REQUESTS of mixed lengths, each batch
 then decoding together for whole windows of cycles, whose packing kernel and cycle graphs are made on first use),
 requests that arrive one after another and join a batch already decoding (more than it can run, so some queue; of
-odd lengths and different output lengths, so batches grow and shrink and the KV allocator's slices start at odd
-slots, which Triton specializes SGLang's slot-assignment kernel on), extends over a cached prefix (radix-cache hits
+odd lengths and different output lengths, so batches grow and shrink and KV slots are handed out at odd offsets:
+traffic like this reached a variant of SGLang's slot-assignment kernel, which Triton specializes on its pointers'
+alignment and the batch size, that batches sent at once had not), extends over a cached prefix (radix-cache hits
 at its 256-token checkpoints, by lengths with and without a 16-divisible remainder), a logprob request and a
 grammar's first compile. The last request carries DONE_RID, which ends start-up in the server's compile watch
 (server/hooks/compile_watch.py); the radix cache is flushed after, so the warm-up's prompts hold no cache memory.
