@@ -171,6 +171,26 @@ def test_tuner_output_is_read_back_by_the_launcher(tmp_path):
     assert tree.body[-1] is node  # the table stays the file's last statement
 
 
+def test_the_tuner_times_decode_gemms_in_a_chain_over_weights_that_outgrow_l2(monkeypatch):
+    """Decode M: calls back to back, each over its own weight copy (more bytes than L2 together, within memory),
+    as a cycle's layers run; prefill M: one call after an L2 flush."""
+    from qflash.server.tools import timing, tune
+    from qflash.server.tools.shapes import DRAFTER, TARGET
+
+    for _, n, k in TARGET + DRAFTER:
+        calls = timing.chain_calls(n * k)
+        assert timing.CHAIN_CALLS[0] <= calls <= timing.CHAIN_CALLS[1]
+        assert calls * n * k >= timing.FLUSH_BYTES or calls == timing.CHAIN_CALLS[1]
+    timed = []
+    monkeypatch.setattr(tune.torch, "randn", lambda *shape, **kw: "x")
+    monkeypatch.setattr(tune, "int8_weight", lambda n, k: ("w", "scale"))
+    monkeypatch.setattr(tune, "chain_us", lambda fns: timed.append(("chain", [f.args[1] for f in fns])) or 1.0)
+    monkeypatch.setattr(tune, "cold_us", lambda fn: timed.append(("cold", [fn.args[1]])) or 1.0)
+    tune.w8a8_timer(16, 2560, 9216)({"BLOCK_M": 16})
+    tune.w8a8_timer(2048, 2560, 9216)({"BLOCK_M": 128})
+    assert [(how, len(weights)) for how, weights in timed] == [("chain", timing.chain_calls(2560 * 9216)), ("cold", 1)]
+
+
 def test_shapes_follow_from_the_preset():
     t, d = preset.TEXT_CONFIG, preset.DRAFTER_CONFIG
     key, value = t["linear_num_key_heads"] * t["linear_key_head_dim"], t["linear_num_value_heads"] * t["linear_value_head_dim"]

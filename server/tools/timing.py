@@ -5,6 +5,8 @@ Timing eager calls measures Python dispatch (tens of microseconds) as much as th
 repeating a call over one buffer measures L2 (60 MB on the H200, larger than most weights here).
 So `reps` calls, each after a write over 128 MiB, are captured in one CUDA graph; the same graph
 without the calls is timed too, and the difference per call is the answer (CUDA events, median).
+A decode GEMM in the cycle follows a short kernel instead, whose tail it overlaps (programmatic dependent launch),
+and reads a weight no kernel before it read: `chain_us` times calls back to back, each over its own weight copy.
 """
 
 import statistics
@@ -14,6 +16,7 @@ from functools import lru_cache
 import torch
 
 FLUSH_BYTES = 128 << 20
+CHAIN_CALLS = (8, 64)  # a chain's calls, fewest and most: enough weight copies to outgrow L2, within memory
 
 
 def _replay_ms(graph: torch.cuda.CUDAGraph, rounds: int) -> float:
@@ -60,6 +63,28 @@ def cold_us(fn, reps: int = 10, rounds: int = 7) -> float:
     took = _replay_ms(graph, rounds)
     del graph
     return max(took - _flush_only_ms(reps, rounds), 0.0) / reps * 1e3
+
+
+def chain_calls(weight_bytes: int) -> int:
+    """How many calls, each over its own copy of a weight this size, outgrow L2 together (FLUSH_BYTES)."""
+    fewest, most = CHAIN_CALLS
+    return min(max(-(-FLUSH_BYTES // weight_bytes), fewest), most)
+
+
+def chain_us(fns: list, rounds: int = 7) -> float:
+    """Median GPU microseconds per call of `fns` run back to back in one CUDA graph (each over its own weight,
+    see chain_calls; the graph's own launch is shared by all of them); each must be CUDA-graph capturable."""
+    for fn in fns:
+        fn()  # compile and allocate outside the graph; a config that cannot run raises here
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    _replay_ms(graph, 2)
+    took = _replay_ms(graph, rounds)
+    del graph
+    return took / len(fns) * 1e3
 
 
 def host_us(fn, calls: int = 50) -> float:

@@ -1,10 +1,12 @@
 """`qflash tune`: time candidate launch configs on this GPU, write the fastest into the kernels' static tables.
 
 Offline only: run once on the target GPU (sm90 for the H200) and commit the rewritten kernel files;
-serving reads the tables and never tunes. Each candidate is timed on random data with an L2 flush
-before each run and no host overhead (`timing.cold_us`); configs that do not fit the chip are skipped.
+serving reads the tables and never tunes. Each candidate is timed on random data with no host overhead: a decode
+W8A8 GEMM in a chain of calls over their own weight copies, as a cycle's layers run it (`timing.chain_us`), the
+others with an L2 flush before each run (`timing.cold_us`); configs that do not fit the chip are skipped.
 """
 
+import functools
 import re
 import time
 from pathlib import Path
@@ -15,7 +17,7 @@ from qflash.kernels import w8a16_argmax, w8a16_gemm, w8a8_gemm
 from qflash.kernels.config_table import DECODE_M, DECODE_MAX_M, PHASES, PREFILL_M
 from qflash.server.launcher import require_gpu
 from qflash.server.tools.shapes import DRAFTER, LM_HEAD, TARGET
-from qflash.server.tools.timing import cold_us
+from qflash.server.tools.timing import chain_calls, chain_us, cold_us
 
 
 def w8a8_candidates(m: int) -> list[dict]:
@@ -38,12 +40,12 @@ def w8a16_candidates(m: int, group: bool = True) -> list[dict]:
             for bn in (64, 128) for bk in (128, 256) for w, s in ((4, 4), (8, 3))]
 
 
-def best_config(run, candidates: list[dict]) -> tuple[dict, float]:
-    """The fastest candidate that runs; a config that does not fit the chip is skipped."""
+def best_config(time_us, candidates: list[dict]) -> tuple[dict, float]:
+    """The fastest candidate that runs (`time_us(config)`); a config that does not fit the chip is skipped."""
     timed = []
     for cfg in candidates:
         try:
-            timed.append((cold_us(lambda: run(cfg)), cfg))
+            timed.append((time_us(cfg), cfg))
         except Exception as exc:  # out of shared memory or registers: triton raises at compile or launch
             print(f"  skip {cfg}: {type(exc).__name__}")
     if not timed:
@@ -57,14 +59,22 @@ def int8_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.rand(n, device="cuda") / (127 * k ** 0.5) + 1e-6)
 
 
+def w8a8_timer(m: int, n: int, k: int):
+    """`time_us(config)` of one W8A8 shape: at decode M in a chain over weight copies, as a cycle's layers run it."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    if m > DECODE_MAX_M:
+        w, w_scale = int8_weight(n, k)
+        return lambda c: cold_us(functools.partial(w8a8_gemm.launch, x, w, w_scale, None, c))
+    weights = [int8_weight(n, k) for _ in range(chain_calls(n * k))]
+    return lambda c: chain_us([functools.partial(w8a8_gemm.launch, x, w, w_scale, None, c) for w, w_scale in weights])
+
+
 def tune_w8a8() -> dict:
     table = {}
     jobs = ([("verify", m, s) for m in DECODE_M for s in TARGET] + [("draft", m, s) for m in DECODE_M for s in DRAFTER]
             + [("prefill", m, s) for m in PREFILL_M for s in TARGET + DRAFTER])
     for phase, m, (name, n, k) in jobs:
-        w, w_scale = int8_weight(n, k)
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        cfg, us = best_config(lambda c: w8a8_gemm.launch(x, w, w_scale, None, c), w8a8_candidates(m))
+        cfg, us = best_config(w8a8_timer(m, n, k), w8a8_candidates(m))
         table[(phase, m, n, k)] = cfg
         print(f"w8a8 {phase:7} M={m:5} {name:20} {us:9.1f} us  {n * k / us / 1e3:7.0f} GB/s  {cfg}", flush=True)
     return table
@@ -76,7 +86,7 @@ def tune_lm_head(module, group: bool) -> dict:
     w, w_scale = int8_weight(n, k)
     for m in DECODE_M:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        cfg, us = best_config(lambda c: module.launch(x, w, w_scale, c), w8a16_candidates(m, group))
+        cfg, us = best_config(lambda c: cold_us(lambda: module.launch(x, w, w_scale, c)), w8a16_candidates(m, group))
         table[("lm_head", m, n, k)] = cfg
         print(f"{module.__name__.split('.')[-1]} M={m:4} {us:9.1f} us  {n * k / us / 1e3:7.0f} GB/s  {cfg}", flush=True)
     return table
