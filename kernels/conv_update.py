@@ -61,8 +61,8 @@ def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, slots_ptr, win_ptr, w
 
 def takes(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias=None, activation=None, **kwargs) -> bool:
     """Whether this kernel serves a call of SGLang's `causal_conv1d_update`: a SiLU block of at least width - 1
-    tokens (a power of two) per request, so the new state holds block inputs only, chained (no EAGLE tree), saving per-step windows, with a state of exactly
-    width - 1 inputs."""
+    tokens (a power of two) per request, so the new state holds block inputs only, chained (no EAGLE tree), saving
+    per-step windows, with a state of exactly width - 1 inputs."""
     width = weight.shape[1]
     return (x.dim() == 3 and activation in ("silu", "swish", True) and kwargs.get("intermediate_conv_window") is not None
             and kwargs.get("conv_state_indices") is not None and kwargs.get("intermediate_state_indices") is not None

@@ -36,32 +36,37 @@ def _flush() -> torch.Tensor:
     return torch.empty(FLUSH_BYTES, dtype=torch.int8, device="cuda")
 
 
-def _capture(fn, reps: int) -> torch.cuda.CUDAGraph:
-    flush = _flush()  # allocated outside the graph's memory pool
+def _graph_ms(body, rounds: int) -> float:
+    """Median milliseconds of one replay of body() captured as a CUDA graph, after two replays that warm it."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
+        body()
+    _replay_ms(graph, 2)
+    return _replay_ms(graph, rounds)
+
+
+def _flushed(fn, reps: int):
+    """A body of `reps` calls of fn (None: none), each after a write over FLUSH_BYTES."""
+    flush = _flush()  # allocated outside the graph's memory pool
+
+    def body():
         for _ in range(reps):
             flush.zero_()
             if fn is not None:
                 fn()
-    return graph
+    return body
 
 
 @lru_cache(maxsize=None)
 def _flush_only_ms(reps: int, rounds: int) -> float:
-    graph = _capture(None, reps)
-    _replay_ms(graph, 2)
-    return _replay_ms(graph, rounds)
+    return _graph_ms(_flushed(None, reps), rounds)
 
 
 def cold_us(fn, reps: int = 10, rounds: int = 7) -> float:
     """Median GPU microseconds of fn() with L2 flushed before it; fn must be CUDA-graph capturable."""
     fn()  # compile and allocate outside the graph; a config that cannot run raises here
     torch.cuda.synchronize()
-    graph = _capture(fn, reps)
-    _replay_ms(graph, 2)
-    took = _replay_ms(graph, rounds)
-    del graph
+    took = _graph_ms(_flushed(fn, reps), rounds)
     return max(took - _flush_only_ms(reps, rounds), 0.0) / reps * 1e3
 
 
@@ -77,14 +82,11 @@ def chain_us(fns: list, rounds: int = 7) -> float:
     for fn in fns:
         fn()  # compile and allocate outside the graph; a config that cannot run raises here
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def body():
         for fn in fns:
             fn()
-    _replay_ms(graph, 2)
-    took = _replay_ms(graph, rounds)
-    del graph
-    return took / len(fns) * 1e3
+    return _graph_ms(body, rounds) / len(fns) * 1e3
 
 
 def host_us(fn, calls: int = 50) -> float:
