@@ -39,6 +39,7 @@ if [ "${TUNE:-0}" = 1 ]; then
   timeout "${TUNE_TIMEOUT:-330}" python3 -m qflash.server.cli tune > "$OUT/tune.log" 2>&1 || status=1
   grep -E "wrote|tuned in" "$OUT/tune.log"
   cp kernels/w8a8_gemm.py kernels/w8a16_gemm.py kernels/w8a16_argmax.py "$OUT/"
+  pack
 fi
 
 if [ "${EVAL_DEPS:-0}" = 1 ]; then

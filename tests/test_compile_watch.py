@@ -2,12 +2,26 @@
 
 import logging
 
+import triton
+import triton.language as tl
+from triton.runtime.jit import compute_cache_key
+
 from conftest import run_python
 from qflash.server.hooks import compile_watch
 from qflash.server.hooks.compile_watch import CompileLog
 
 
-VARIANT = "_fwd_kernel[num_warps=4, num_ctas=1, num_stages=2](Q: ('*bf16', 'D'), O: ('*i64', ''))"
+@triton.jit
+def _fwd_kernel(Q, O, n, BLOCK: tl.constexpr):
+    pass
+
+
+# What Triton 3.6 hands its hooks for a variant: its `repr` (whose arguments are garbled: the first pairs with the
+# cache key's second character) and the cache key, from Triton's own function.
+KEY = compute_cache_key({}, [("*bf16", "D"), ("*i64", ""), ("i32", "1"), ("constexpr", 16)], "CUDAOptions(...)")
+REPR = "_fwd_kernel[num_warps=4, num_ctas=1, num_stages=2, enable_fp_fusion=True, launch_cooperative_grid=False](Q: ()"
+VARIANT = ("_fwd_kernel[num_warps=4, num_ctas=1, num_stages=2, enable_fp_fusion=True, launch_cooperative_grid=False]"
+           "(Q: *bf16 D, O: *i64, n: i32 1, BLOCK: constexpr 16)")
 
 
 def compile_once(log: CompileLog, module: str = "qflash.kernels.w8a8_gemm", name: str = "_w8a8_gemm_kernel"):
@@ -15,9 +29,9 @@ def compile_once(log: CompileLog, module: str = "qflash.kernels.w8a8_gemm", name
     and its description of the variant."""
     from triton.runtime.jit import JitFunctionInfo
 
-    assert log.before(key="k", repr=VARIANT, fn=None, compile={}, is_manual_warmup=False, already_compiled=False) is None
-    log.after(key="k", repr=VARIANT, fn=JitFunctionInfo(module, name, None), compile={}, is_manual_warmup=False,
-              already_compiled=False)
+    call = dict(key=KEY, repr=REPR, compile={}, is_manual_warmup=False, already_compiled=False)
+    assert log.before(fn=None, **call) is None
+    log.after(fn=JitFunctionInfo(module, name, _fwd_kernel), **call)
 
 
 def test_start_up_compiles_are_counted_and_each_compile_while_serving_is_logged(caplog):

@@ -343,7 +343,7 @@ def test_the_warm_up_batches_every_width_extends_a_cached_prefix_and_ends_start_
 
     from qflash.server import warm_up, window
     from qflash.server.launcher import ServerProcess
-    from qflash.server.preset import BLOCK_SIZE, MAX_RUNNING_REQUESTS
+    from qflash.server.preset import BLOCK_SIZE, CHUNKED_PREFILL_SIZE, MAX_RUNNING_REQUESTS
 
     seen, lock = [], threading.Lock()
 
@@ -387,6 +387,16 @@ def test_the_warm_up_batches_every_width_extends_a_cached_prefix_and_ends_start_
     prefix = warm_up.prompt(600, 1)
     cached = [b["input_ids"] for b in generated if b.get("input_ids", [])[:600] == prefix]
     assert sorted(map(len, cached)) == [600, 616, 645, 900]  # a prefix, then three extends over it cached
+    # a fresh prompt SGLang prefills eagerly, whose GEMMs' row count Triton specializes neither as 1 nor as 16-divisible
+    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import _MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR
+
+    short = [len(b["input_ids"]) for b in generated if 1 < len(b.get("input_ids", ())) < BLOCK_SIZE]
+    assert short and all(n * _MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR < BLOCK_SIZE for n in short)
+    # two prompts in one request, prefilled together: their first chunk holds more of FLA's 64-token chunks than
+    # one prompt's can (128)
+    first, second = next(b["input_ids"] for b in generated if isinstance(b.get("input_ids", [0])[0], list))
+    assert len(first) + len(second) > CHUNKED_PREFILL_SIZE
+    assert -(-len(first) // 64) + -(-(CHUNKED_PREFILL_SIZE - len(first)) // 64) > CHUNKED_PREFILL_SIZE // 64
     from sglang.srt.entrypoints.http_server import app
 
     assert any(getattr(r, "path", None) == "/flush_cache" and "POST" in r.methods for r in app.routes)

@@ -20,12 +20,14 @@ from qflash.server.hooks import Hook
 
 logger = logging.getLogger(__name__)
 STARTUP = "qflash: {count} Triton kernel variants compiled during start-up and warm-up, {seconds:.1f} s of compiling"
-# The variant is Triton's own description (launch options, each argument's type and specialization, e.g. a
-# pointer's 16-byte alignment), so a compile while serving says what the warm-up did not reach.
+# The variant is described by its launch options and each argument's type and specialization (Triton's marks: `D`
+# divisible by 16, a pointer 16-byte aligned; `1` an integer equal to 1), so a compile while serving says what the
+# warm-up did not reach.
 WHILE_SERVING = "qflash: Triton compiled {name} while serving ({ms:.0f} ms; compiles while serving: {count}): {variant}"
 # The two lines read back from a server's log (tests/test_compile_watch.py checks them against the formats).
 _STARTUP_LINE = re.compile(r"qflash: \d+ Triton kernel variants compiled during start-up and warm-up")
 _WHILE_SERVING_NAME = re.compile(r"qflash: Triton compiled (\S+) while serving \(")
+_ARGUMENT = re.compile(r"\('([^']*)', '?([^')]*)'?\)")  # one argument's (type, specialization) in a cache key
 
 
 class CompileLog:
@@ -46,7 +48,7 @@ class CompileLog:
         if self.serving:
             self.while_serving += 1
             logger.warning(WHILE_SERVING.format(name=f"{fn.module}.{fn.name}", ms=seconds * 1e3, count=self.while_serving,
-                                                variant=call.get("repr", "")))
+                                                variant=_variant(fn, call)))
 
     def serving_starts(self) -> str:
         self.serving = True
@@ -70,6 +72,14 @@ class TritonCompileHooks:
         after = _chained(knobs.runtime.jit_post_compile_hook, self.log.after)
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
         return lambda: (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == (before, after)
+
+
+def _variant(fn, call: dict) -> str:
+    """Triton's `repr` of a variant with its arguments read from the cache key: Triton 3.6's own pairs the arguments
+    with the key's characters (the key became a string, `str(specialization) + str(options)`)."""
+    arguments = zip(getattr(fn.jit_function, "arg_names", ()), _ARGUMENT.findall(str(call.get("key", ""))))
+    described = ", ".join(f"{name}: {kind} {spec}".rstrip() for name, (kind, spec) in arguments)
+    return f"{call.get('repr', '').split('](')[0]}]({described})"
 
 
 def _chained(earlier, ours):
