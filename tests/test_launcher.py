@@ -390,7 +390,8 @@ def test_the_warm_up_batches_every_width_extends_a_cached_prefix_and_ends_start_
     # a fresh prompt SGLang prefills eagerly, whose GEMMs' row count Triton specializes neither as 1 nor as 16-divisible
     from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import _MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR
 
-    short = [len(b["input_ids"]) for b in generated if 1 < len(b.get("input_ids", ())) < BLOCK_SIZE]
+    prompts = [b["input_ids"] for b in generated if isinstance(b.get("input_ids", [None])[0], int)]
+    short = [len(ids) for ids in prompts if 1 < len(ids) < BLOCK_SIZE]
     assert short and all(n * _MAX_PREFILL_CUDA_GRAPH_PADDING_FACTOR < BLOCK_SIZE for n in short)
     # two prompts in one request, prefilled together: their first chunk holds more of FLA's 64-token chunks than
     # one prompt's can (128)
