@@ -361,7 +361,10 @@ def test_the_warm_up_batches_every_width_extends_a_cached_prefix_and_ends_start_
 
     waits = []
     monkeypatch.setattr(warm_up, "time", SimpleNamespace(sleep=waits.append, monotonic=time.monotonic))
-    stub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Stub(http.server.ThreadingHTTPServer):
+        request_queue_size = 64  # the staggered round connects 16 at once; past the default backlog (5) Linux resets some
+
+    stub = Stub(("127.0.0.1", 0), Handler)
     threading.Thread(target=stub.serve_forever, daemon=True).start()
     try:
         line = warm_up.run(ServerProcess([], {}, Path("log"), f"http://127.0.0.1:{stub.server_port}", api_key="k3y").post)
