@@ -1,6 +1,10 @@
-"""Fresh-prompt prefill attention through torch's SDPA (kernels/flash_prefill.py): causal attention over the new
-tokens against float64, padding rows untouched, and every case it does not serve handed to SGLang's kernel
-with its arguments unchanged. The H200 comparison with SGLang's extend kernel: test_flash_prefill_gpu.py."""
+"""Prefill attention through torch's fused kernels (kernels/flash_prefill.py): a fresh prompt's causal attention
+against float64; batches and cached prefixes packed for flash attention (a stand-in with varlen_attn's documented
+semantics on the CPU) against float64 attention read straight from the KV pool; padding rows untouched; every case
+it does not serve handed to SGLang's kernel with its arguments unchanged. The H200 comparison with SGLang's extend
+kernel: test_flash_prefill_gpu.py."""
+
+import itertools
 
 import pytest
 import torch
@@ -45,20 +49,89 @@ def test_fresh_prefill_is_causal_attention(tokens, padded):
     assert (p["o_extend"][tokens:] == 7.0).all()  # the padding rows are left alone
 
 
+def batch_problem(extends, prefixes, padding=3, heads=4, kv_heads=2, dim=64, slots=256, spare=0, seed=1):
+    """Requests of `extends` new tokens over cached prefixes at random KV-pool slots; `spare` entries of kv_indices
+    past the prefixes hold garbage, as where SGLang over-allocates it."""
+    g = torch.Generator().manual_seed(seed)
+    p = problem(sum(extends), sum(extends) + padding, heads, kv_heads, dim, seed=seed)
+    p["k_buffer"], p["v_buffer"] = (torch.randn(slots, kv_heads, dim, generator=g).to(torch.bfloat16).to(DEVICE)
+                                    for _ in range(2))
+    indices = torch.randperm(slots, generator=g)[:sum(prefixes)]
+    p["kv_indices"] = torch.cat([indices, torch.full((spare,), 10 ** 9)]).to(DEVICE)
+    p["qo_indptr"], p["kv_indptr"] = (torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=DEVICE)
+                                      for lens in (extends, prefixes))
+    p["max_len_extend"] = max(extends)
+    return p
+
+
+def batch_reference(p, scale):
+    """Each request's new tokens over its prefix (read from the pool by slot) and themselves, causally."""
+    out = []
+    for i in range(p["qo_indptr"].shape[0] - 1):
+        (q0, q1), (k0, k1) = p["qo_indptr"][i:i + 2].tolist(), p["kv_indptr"][i:i + 2].tolist()
+        slots = p["kv_indices"][k0:k1]
+        k = torch.cat([p["k_buffer"][slots], p["k_extend"][q0:q1]]).double().cpu()
+        v = torch.cat([p["v_buffer"][slots], p["v_extend"][q0:q1]]).double().cpu()
+        out.append(attention(p["q_extend"][q0:q1].double().cpu(), k, v, scale))
+    return torch.cat(out)
+
+
+def attention(q, k, v, scale):
+    """Causal attention with the last query row seeing every key (the prefix before the queries' own keys)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = torch.einsum("ihd,jhd->hij", q, k) * scale
+    s = s.masked_fill(torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).triu(k.shape[0] - q.shape[0] + 1),
+                      float("-inf"))
+    return torch.einsum("hij,jhd->ihd", torch.softmax(s, -1), v)
+
+
+def varlen_stand_in(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale, window_size):
+    """torch.nn.attention.varlen.varlen_attn as documented (flash attention, which has no CPU kernel): sequences
+    packed one after another, causal aligned to each sequence's end; rows past the last sequence unwritten (NaN)."""
+    assert window_size == (-1, 0)  # causal
+    out = torch.full(query.shape, float("nan"), dtype=query.dtype, device=query.device)
+    for i in range(cu_seq_q.shape[0] - 1):
+        (q0, q1), (k0, k1) = cu_seq_q[i:i + 2].tolist(), cu_seq_k[i:i + 2].tolist()
+        assert q1 - q0 <= max_q and k1 - k0 <= max_k  # the bounds it is given hold
+        out[q0:q1] = attention(query[q0:q1].double(), key[k0:k1].double(), value[k0:k1].double(), scale).to(out.dtype)
+    return out
+
+
+@pytest.mark.parametrize("extends, prefixes, spare", [
+    ((5, 12, 9), (0, 7, 20), 0), ((5, 12, 9), (0, 0, 0), 0), ((16,), (40,), 0), ((3, 8), (11, 0), 6),
+], ids=["prefixes", "a batch of fresh prompts", "one cached prefix", "kv_indices over-allocated"])
+def test_batches_and_cached_prefixes_are_causal_attention_over_packed_sequences(monkeypatch, extends, prefixes, spare):
+    monkeypatch.setattr(fp, "varlen_attn", varlen_stand_in)
+    p = batch_problem(extends, prefixes, spare=spare)
+    fp.flash_prefill(never_called, **p, sm_scale=0.1)
+    tokens = sum(extends)
+    assert (p["o_extend"][:tokens].double().cpu() - batch_reference(p, 0.1)).abs().max().item() < 0.02
+    assert (p["o_extend"][tokens:] == 7.0).all()  # the padding rows are left alone
+
+
+def test_while_a_graph_is_captured_only_a_fresh_prompt_is_served(monkeypatch):
+    monkeypatch.setattr(fp.torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(fp.torch.Tensor, "is_cuda", True)
+    monkeypatch.setattr(fp, "varlen_attn", varlen_stand_in)
+    calls = []
+    fp.flash_prefill(lambda *args, **kw: calls.append(args), **batch_problem((5, 12), (0, 7)), sm_scale=0.1)
+    fp.flash_prefill(never_called, **problem(16, 16), sm_scale=0.1)
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("change", [
-    dict(prefix=5), dict(custom_mask=True), dict(is_causal=False), dict(k_scale=0.5), dict(two_requests=True),
+    dict(custom_mask=True), dict(is_causal=False), dict(k_scale=0.5), dict(max_len_extend=None),
     dict(logit_cap=30.0), dict(sliding_window_size=16), dict(sinks=True), dict(lse_extend=True), dict(skip_prefix=True),
     dict(an_argument_it_does_not_know=1),
 ], ids=lambda change: next(iter(change)))
 def test_what_it_does_not_serve_goes_to_sglang_unchanged(change):
-    p = problem(16, 16, prefix=change.pop("prefix", 0))
+    p = problem(16, 16)
     kwargs = {}
     for key, value in change.items():
         if key in ("custom_mask", "sinks", "lse_extend"):
             value = torch.ones(1, device=DEVICE)
-        if key == "two_requests":
-            p["qo_indptr"] = torch.tensor([0, 8, 16], dtype=torch.int32, device=DEVICE)
-        elif key in p:
+        if key in p:
             p[key] = value
         else:
             kwargs[key] = value

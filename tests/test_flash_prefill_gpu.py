@@ -1,11 +1,12 @@
-"""A fresh prompt's prefill attention on torch's SDPA (kernels/flash_prefill.py) against SGLang's Triton extend
-kernel, the path it replaces, and float32 attention, at the target's real head shapes (GPU only)."""
+"""Prefill attention on torch's fused kernels (kernels/flash_prefill.py) against SGLang's Triton extend kernel, the
+path it replaces, and float32 attention, at the target's real head shapes (GPU only): a fresh prompt on SDPA, batches
+and cached prefixes on flash attention over packed sequences."""
 
 import pytest
 import torch
 
 from qflash.kernels.flash_prefill import flash_prefill
-from test_flash_prefill import problem
+from test_flash_prefill import batch_problem, batch_reference, problem
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -32,6 +33,26 @@ def test_sdpa_prefill_agrees_with_sglangs_extend_kernel(tokens, padded):
     flash_prefill(None, **ours, sm_scale=scale)
     extend_attention_fwd(**theirs, sm_scale=scale)
     ref = float32_attention(ours, scale)
+    our_err = (ours["o_extend"][:tokens].float() - ref).abs()
+    their_err = (theirs["o_extend"][:tokens].float() - ref).abs()
+    assert our_err.max().item() <= 2 * their_err.max().item() and our_err.mean().item() <= 2 * their_err.mean().item()
+    assert torch.equal(ours["o_extend"][tokens:], theirs["o_extend"][tokens:])  # padding rows: neither writes them
+
+
+@pytest.mark.parametrize("extends, prefixes, spare", [
+    ((2048, 300, 37), (0, 0, 0), 0), ((65, 216, 389), (2048, 2112, 2304), 0), ((1500, 1100), (0, 0), 0),
+    ((500, 17), (1000, 0), 64),
+], ids=["a batch of fresh prompts", "chat turns over cached prefixes", "two long prompts", "over-allocated"])
+def test_batches_and_cached_prefixes_agree_with_sglangs_extend_kernel(extends, prefixes, spare):
+    from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+
+    scale = 256 ** -0.5
+    ours = batch_problem(extends, prefixes, padding=5, heads=16, kv_heads=4, dim=256, slots=8192, spare=spare)
+    theirs = dict(ours, o_extend=ours["o_extend"].clone(), kv_indices=ours["kv_indices"][:sum(prefixes)])
+    flash_prefill(None, **ours, sm_scale=scale)
+    extend_attention_fwd(**theirs, sm_scale=scale)
+    tokens = sum(extends)
+    ref = batch_reference(ours, scale).float().cuda()
     our_err = (ours["o_extend"][:tokens].float() - ref).abs()
     their_err = (theirs["o_extend"][:tokens].float() - ref).abs()
     assert our_err.max().item() <= 2 * their_err.max().item() and our_err.mean().item() <= 2 * their_err.mean().item()

@@ -327,9 +327,9 @@ def test_every_table_config_compiles_for_sm90():
 def test_bench_kernels_prefill_attention_table_renders():
     from qflash.server.tools.bench_kernels import render_prefill_attention
 
-    table = render_prefill_attention([{"tokens": 8192, "sglang_us": 4750.0, "sdpa_us": 1500.0,
-                                       "sglang_tflops": 115.8, "sdpa_tflops": 366.6}])
-    assert "| 8192 | 4750.0 (116) | 1500.0 (367) |" in table
+    table = render_prefill_attention([{"requests": 4, "tokens": 256, "prefix": 2048, "sglang_us": 4750.0,
+                                       "torch_us": 1500.0, "sglang_tflops": 115.8, "torch_tflops": 366.6}])
+    assert "| 4 x 256 | 2048 | 4750.0 (116) | 1500.0 (367) |" in table
 
 
 MEMORY_OPS = ("tl.load", "tl.store", "tl.atomic_")

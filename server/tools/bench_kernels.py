@@ -24,7 +24,7 @@ from qflash.server.launcher import require_gpu
 from qflash.server.preset import BLOCK_SIZE
 from qflash.server.tools.floors import HBM_TBPS
 from qflash.server.tools.shapes import ATTENTION_HEADS, DRAFTER, GDN_HEADS, LM_HEAD, TARGET, TARGET_COUNT
-from qflash.server.tools.timing import cold_us, host_us
+from qflash.server.tools.timing import cold_us, eager_us, host_us
 
 
 def time_us(fn) -> float | None:
@@ -155,34 +155,39 @@ def render_gdn_prefill(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-PREFILL_ATTENTION_TOKENS = (512, 2048, 8192)
+# (requests, new tokens each, cached prefix each): fresh prompts, a batch of them, chat turns over a cached prefix.
+PREFILL_ATTENTION_CASES = ((1, 512, 0), (1, 2048, 0), (1, 8192, 0), (7, 1170, 0), (1, 400, 2304), (4, 256, 2048))
 
 
-def prefill_attention_row(tokens: int) -> dict:
-    """One target full-attention layer's prefill of a fresh `tokens`-long prompt (16 query heads, 4 KV heads,
-    dim 256): SGLang's Triton extend kernel against torch's SDPA (kernels/flash_prefill.py), GPU us and TFLOP/s."""
+def prefill_attention_row(requests: int, tokens: int, prefix: int) -> dict:
+    """One target full-attention layer's prefill (16 query heads, 4 KV heads, dim 256) of `requests` requests of
+    `tokens` new tokens over `prefix` cached ones each: SGLang's Triton extend kernel against torch's fused kernels
+    (kernels/flash_prefill.py), GPU us and TFLOP/s."""
     from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 
     heads, kv_heads, dim = ATTENTION_HEADS
-    q = torch.randn(tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    o = torch.empty_like(q)
-    empty = torch.zeros(0, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
-    args = (q, k, v, o, empty, empty, torch.tensor([0, tokens], device="cuda", dtype=torch.int32),
-            torch.zeros(2, device="cuda", dtype=torch.int32), torch.zeros(0, device="cuda", dtype=torch.int64),
-            None, True, None, tokens, 1.0, 1.0, dim ** -0.5)
-    sglang_us = time_us(lambda: extend_attention_fwd(*args))
-    sdpa_us = time_us(lambda: flash_prefill(None, *args))
-    flop = 4 * heads * dim * tokens * (tokens + 1) / 2
-    return {"tokens": tokens, "sglang_us": sglang_us, "sdpa_us": sdpa_us,
-            "sglang_tflops": flop / sglang_us / 1e6, "sdpa_tflops": flop / sdpa_us / 1e6}
+    q = torch.randn(requests * tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
+    k, v, k_pool, v_pool = (torch.randn(requests * n, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+                            for n in (tokens, tokens, prefix, prefix))
+    qo_indptr, kv_indptr = (torch.arange(requests + 1, device="cuda", dtype=torch.int32) * n for n in (tokens, prefix))
+    slots = torch.arange(requests * prefix, device="cuda")
+    args = (q, k, v, torch.empty_like(q), k_pool, v_pool, qo_indptr, kv_indptr, slots, None, True, None, tokens, 1.0, 1.0,
+            dim ** -0.5)
+    # eagerly, as a prefill's attention layers run between its graph's segments (flash_prefill packs nothing
+    # while a graph is captured)
+    sglang_us = eager_us(lambda: extend_attention_fwd(*args))
+    torch_us = eager_us(lambda: flash_prefill(None, *args))
+    flop = 4 * heads * dim * requests * tokens * (prefix + (tokens + 1) / 2)
+    return {"requests": requests, "tokens": tokens, "prefix": prefix, "sglang_us": sglang_us, "torch_us": torch_us,
+            "sglang_tflops": flop / sglang_us / 1e6, "torch_tflops": flop / torch_us / 1e6}
 
 
 def render_prefill_attention(rows: list[dict]) -> str:
-    out = ["Prefill attention of a fresh prompt, one target layer (16 / 4 heads, dim 256):", "",
-           "| tokens | SGLang Triton extend us (TFLOP/s) | torch SDPA us (TFLOP/s) |", "| ---: | ---: | ---: |"]
-    out += [f"| {r['tokens']} | {_f(r['sglang_us'])} ({r['sglang_tflops']:.0f}) | {_f(r['sdpa_us'])} ({r['sdpa_tflops']:.0f}) |"
-            for r in rows]
+    out = ["Prefill attention, one target layer (16 / 4 heads, dim 256), eager calls:", "",
+           "| requests x new tokens | cached prefix each | SGLang Triton extend us (TFLOP/s) | torch SDPA / flash us (TFLOP/s) |",
+           "| ---: | ---: | ---: | ---: |"]
+    out += [f"| {r['requests']} x {r['tokens']} | {r['prefix']} | {_f(r['sglang_us'])} ({r['sglang_tflops']:.0f}) "
+            f"| {_f(r['torch_us'])} ({r['torch_tflops']:.0f}) |" for r in rows]
     return "\n".join(out) + "\n"
 
 
@@ -226,7 +231,7 @@ def run_bench_kernels(out: Path, skip_gemms: bool = False) -> int:
     out.mkdir(parents=True, exist_ok=True)
     data = {"gdn": [gdn_row(batch) for batch in (1, 8)],
             "gdn_prefill": [gdn_prefill_row(tokens) for tokens in GDN_PREFILL_TOKENS],
-            "prefill_attention": [prefill_attention_row(tokens) for tokens in PREFILL_ATTENTION_TOKENS]}
+            "prefill_attention": [prefill_attention_row(*case) for case in PREFILL_ATTENTION_CASES]}
     tables = [render_gdn(data["gdn"]), render_gdn_prefill(data["gdn_prefill"]), render_prefill_attention(data["prefill_attention"])]
     if not skip_gemms:
         stock = _stock_path()

@@ -1,5 +1,5 @@
 """GPU time of one call with a cold L2 and no host overhead, for the tuner and `qflash bench-kernels`; and the
-host time of an eager call, for kernels that run outside CUDA graphs.
+time and host time of eager calls, for what runs outside CUDA graphs.
 
 Timing eager calls measures Python dispatch (tens of microseconds) as much as the kernel, and
 repeating a call over one buffer measures L2 (60 MB on the H200, larger than most weights here).
@@ -87,6 +87,23 @@ def chain_us(fns: list, rounds: int = 7) -> float:
         for fn in fns:
             fn()
     return _graph_ms(body, rounds) / len(fns) * 1e3
+
+
+def eager_us(fn, calls: int = 20, rounds: int = 5) -> float:
+    """Median wall microseconds per call of fn() launched eagerly, back to back (GPU and launch time together), for
+    what serving runs outside CUDA graphs."""
+    fn()  # compile and allocate
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls * 1e3)
+    return statistics.median(times)
 
 
 def host_us(fn, calls: int = 50) -> float:
