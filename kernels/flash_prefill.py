@@ -1,18 +1,20 @@
-"""Prefill attention through torch's fused kernels: a fresh prompt's through SDPA, batches and cached prefixes
-through flash attention over packed sequences (`torch.nn.attention.varlen`).
+"""Prefill attention through torch's fused kernels: a fresh prompt's through SDPA, batches and cached prefixes through
+flash attention over packed sequences (`torch.nn.attention.varlen`).
 
 A prefill is causal attention of each request's new tokens over its cached prefix and themselves, which torch's
 fused kernels run several times faster than SGLang's Triton extend kernel at long prompts (`qflash bench-kernels`).
 One request with nothing cached is plain SDPA (no host sync, so a prefill graph can hold it). Several requests or a
-cached prefix: each request's prefix is gathered from the KV pool ahead of its new keys, and the packed sequences
-go to flash attention with causality aligned to each sequence's end, as SGLang's kernel masks them; not while a
-CUDA graph is captured (the speculative block's graphs keep SGLang's kernel). Masks, windows, caps and scaled KV
-stay on SGLang's kernel (server/hooks/attention.py routes it).
+cached prefix: each request's prefix is gathered from the KV pool ahead of its new keys (kernels/pack_kv.py), and
+the packed sequences go to flash attention with causality aligned to each sequence's end, as SGLang's kernel masks
+them; not while a CUDA graph is captured (the speculative block's graphs keep SGLang's kernel). Masks, windows, caps
+and scaled KV stay on SGLang's kernel (server/hooks/attention.py routes it).
 """
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.varlen import varlen_attn
+
+from qflash.kernels.pack_kv import pack_kv
 
 # extend_attention_fwd's keyword arguments and the values under which a call is plain causal attention.
 PLAIN = {"logit_cap": 0.0, "skip_prefix_custom_mask": True, "sliding_window_size": -1, "sinks": None,
@@ -37,32 +39,6 @@ def one_fresh(kv_indices, qo_indptr) -> bool:
     return qo_indptr.shape[0] == 2 and kv_indices.numel() == 0
 
 
-def packing(qo_indptr, kv_indptr, kv_indices, new_rows: int):
-    """Where each row of the packed keys comes from: each request's cached prefix (its KV-pool slots) then its new
-    keys, requests one after another; (cu_seq_k, pool slot, new-key row, from the pool?). Shapes from the host,
-    values on the device; rows past the last request's end read new-key row 0."""
-    cu_seq_k = (kv_indptr + qo_indptr).to(torch.int32)
-    pos = torch.arange(kv_indices.shape[0] + new_rows, device=kv_indices.device, dtype=torch.int32)
-    req = torch.searchsorted(cu_seq_k[1:].contiguous(), pos, right=True).clamp_(max=cu_seq_k.shape[0] - 2)
-    off = pos - cu_seq_k[req]
-    prefix = kv_indptr[req + 1] - kv_indptr[req]
-    cached = off < prefix
-    # kv_indices may be longer than the prefixes (SGLang over-allocates it where host lengths are unset): a slot only
-    # where a prefix row is read, and every index in range.
-    slot = torch.where(cached, kv_indices[(kv_indptr[req] + off).clamp_(0, kv_indices.shape[0] - 1)], 0)
-    new = torch.where(cached, 0, (qo_indptr[req] + off - prefix).clamp_(0, new_rows - 1))
-    return cu_seq_k, slot, new, cached[:, None, None]
-
-
-def packed_kv(k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices):
-    """(k, v, cu_seq_k) of the packed sequences (`packing`); a batch with nothing cached is packed already."""
-    if kv_indices.numel() == 0:
-        return k_extend, v_extend, (kv_indptr + qo_indptr).to(torch.int32)
-    cu_seq_k, slot, new, cached = packing(qo_indptr, kv_indptr, kv_indices, k_extend.shape[0])
-    return (torch.where(cached, k_buffer[slot], k_extend[new]), torch.where(cached, v_buffer[slot], v_extend[new]),
-            cu_seq_k)
-
-
 def flash_prefill(extend_attention_fwd, q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr,
                   kv_indptr, kv_indices, custom_mask, is_causal, mask_indptr, max_len_extend, k_scale, v_scale,
                   sm_scale=None, **kwargs):
@@ -80,8 +56,10 @@ def flash_prefill(extend_attention_fwd, q_extend, k_extend, v_extend, o_extend, 
                                            enable_gqa=q.shape[1] != k.shape[1])
         o_extend[:n].copy_(o[0].transpose(0, 1))
         return
-    k, v, cu_seq_k = packed_kv(k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices)
-    o = varlen_attn(q_extend, k, v, qo_indptr.to(torch.int32), cu_seq_k, n, n + kv_indices.shape[0], scale=sm_scale,
-                    window_size=(-1, 0))
+    if kv_indices.numel() == 0:  # a batch of fresh prompts: packed already
+        k, v, cu_seq_k = k_extend, v_extend, qo_indptr
+    else:
+        k, v, cu_seq_k = pack_kv(k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices)
+    o = varlen_attn(q_extend, k, v, qo_indptr, cu_seq_k, n, n + kv_indices.shape[0], scale=sm_scale, window_size=(-1, 0))
     rows = torch.arange(o_extend.shape[0], device=o_extend.device)[:, None, None]
     o_extend.copy_(torch.where(rows < qo_indptr[-1], o, o_extend))  # a graph's padding rows are left alone
