@@ -56,10 +56,12 @@ def flash_prefill(extend_attention_fwd, q_extend, k_extend, v_extend, o_extend, 
                                            enable_gqa=q.shape[1] != k.shape[1])
         o_extend[:n].copy_(o[0].transpose(0, 1))
         return
+    cu_seq_q = qo_indptr.to(torch.int32)  # SGLang's is int64; flash attention takes int32
     if kv_indices.numel() == 0:  # a batch of fresh prompts: packed already
-        k, v, cu_seq_k = k_extend, v_extend, qo_indptr
+        k, v, cu_seq_k = k_extend, v_extend, cu_seq_q
     else:
-        k, v, cu_seq_k = pack_kv(k_extend, v_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices)
-    o = varlen_attn(q_extend, k, v, qo_indptr, cu_seq_k, n, n + kv_indices.shape[0], scale=sm_scale, window_size=(-1, 0))
+        k, v, cu_seq_k = pack_kv(k_extend, v_extend, k_buffer, v_buffer, cu_seq_q, kv_indptr, kv_indices)
+    o = varlen_attn(q_extend, k, v, cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k, max_q=n, max_k=n + kv_indices.shape[0],
+                    scale=sm_scale, window_size=(-1, 0))
     rows = torch.arange(o_extend.shape[0], device=o_extend.device)[:, None, None]
     o_extend.copy_(torch.where(rows < qo_indptr[-1], o, o_extend))  # a graph's padding rows are left alone

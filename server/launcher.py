@@ -8,6 +8,7 @@ is imported here at module level: `qflash serve --help` answers at once.
 
 import argparse
 import functools
+import http.client
 import json
 import os
 import signal
@@ -178,7 +179,10 @@ def wait_ready_with_qflash(server: ServerProcess) -> tuple[float, str]:
     applied = [line for line in server.log().splitlines() if line.startswith("qflash: ") and APPLIED_MARK in line]
     if not applied:
         raise ServerDied("the server started without qflash's SGLang plugin (is qflash installed in this Python?)")
-    warm_up_and_freeze_gc(server)
+    try:
+        warm_up_and_freeze_gc(server)
+    except (OSError, http.client.HTTPException) as exc:  # a warm-up request the server dropped: it failed serving
+        raise ServerDied(f"the server failed during the warm-up ({exc}); log: {server.log_path}") from exc
     return took, applied[0]
 
 

@@ -60,6 +60,7 @@ GLUE = "qflash.graphs.glue.GlueGraphs.run"
 CYCLE = "qflash.server.hooks.cycle_graphs.run_cycle"
 FRESH = "qflash.graphs.fresh_prefill.replay"
 LOGPROBS = "sglang.srt.layers.logprob_processor.compute_spec_v2_logprobs"
+VARLEN = "qflash.kernels.flash_prefill.varlen_attn"
 
 CAND = torch.tensor([[7, 1, 2, 3, 4], [7, 1, 2, 3, 4], [7, 1, 2, 3, 4]])  # block of K=5: current token + 4 drafts
 TOP = torch.tensor([[1, 2, 9, 9, 5], [1, 2, 3, 4, 5], [8, 8, 8, 8, 8]])  # target choices: 2, 4 (all), 0 drafts match
@@ -81,6 +82,9 @@ def sample_kwargs(target: str) -> dict:
                 "bonus_tokens": torch.tensor([6]), "seq_lens": torch.tensor([40])}
     if target == PLAN:
         return {"reqs": [], "limit": 4, "in_flight": 1, "block": 16, "context_len": 16384}
+    if target == VARLEN:  # after query, key, value
+        return {"cu_seq_q": torch.tensor([0, 5, 17], dtype=torch.int32), "max_q": 12, "max_k": 19, "scale": 0.1,
+                "cu_seq_k": torch.tensor([0, 9, 28], dtype=torch.int32), "window_size": (-1, 0)}
     if target == LOGPROBS:
         return {"batch": object(), "logits_output": object(), "predict": torch.zeros(8, dtype=torch.int64),
                 "accept_index": torch.arange(8).view(2, 4), "speculative_num_steps": 3}
@@ -91,11 +95,11 @@ def sample_kwargs(target: str) -> dict:
 
 def test_the_plugin_wraps_the_targets_this_test_knows():
     assert set(plugin().HOOKS) == {TRITON_ACCEPT, EAGER_ACCEPT, FOLD, KV, CARRY, PLAN, PLAN_STREAM, GLUE, CYCLE, LOGPROBS,
-                                   FRESH}
+                                   FRESH, VARLEN}
     assert plugin().FAULTS == ["accept_off_by_one", "cycle_eager", "drafter_kv_shift", "fresh_prefill_off",
                                "gdn_state_wrong_step", "glue_eager", "logprobs_one_position_late", "one_cycle_per_step",
-                               "plan_stream_off", "plan_stream_on", "stale_cache_checkpoint", "window_2", "window_4",
-                               "window_stale_bonus"]
+                               "plan_stream_off", "plan_stream_on", "prefill_requests_merged", "stale_cache_checkpoint",
+                               "window_2", "window_4", "window_stale_bonus"]
 
 
 def test_the_fault_is_read_again_whenever_the_file_changes(fault_path):
@@ -108,7 +112,7 @@ def test_the_fault_is_read_again_whenever_the_file_changes(fault_path):
 
 
 @pytest.mark.parametrize("state", ["no file", "empty file", "another fault"])
-@pytest.mark.parametrize("target", [TRITON_ACCEPT, EAGER_ACCEPT, FOLD, KV, CARRY, PLAN, LOGPROBS])
+@pytest.mark.parametrize("target", [TRITON_ACCEPT, EAGER_ACCEPT, FOLD, KV, CARRY, PLAN, LOGPROBS, VARLEN])
 def test_a_hook_passes_the_call_through_unless_its_fault_is_named(target, state, fault_path):
     if state != "no file":
         other = next(f for f in plugin().FAULTS if f not in plugin().TARGETS[target])
@@ -117,6 +121,13 @@ def test_a_hook_passes_the_call_through_unless_its_fault_is_named(target, state,
     (args, got), result = call(target, **kwargs)
     assert result == "result" and args == ("self",)
     assert got.keys() == kwargs.keys() and all(got[k] is v for k, v in kwargs.items())
+
+
+def test_prefill_requests_merged_attends_the_packed_requests_as_one_sequence(fault_path):
+    fault_path.write_text("prefill_requests_merged")
+    (args, got), _ = call(VARLEN, **sample_kwargs(VARLEN))
+    assert got["cu_seq_q"].tolist() == [0, 17] and got["cu_seq_k"].tolist() == [0, 28]
+    assert (got["max_q"], got["max_k"], got["scale"], got["window_size"]) == (17, 28, 0.1, (-1, 0))
 
 
 def accepted(candidates, target):
@@ -415,6 +426,7 @@ FAULTY = {  # what each fault changes of CLEAN
     "cycle_eager": {"cycle": "eager"},
     "fresh_prefill_off": {"fresh": "breakable"},
     "logprobs_one_position_late": {"logprobs": [1, 2, 3, 0, 5, 6, 7, 4]},
+    "prefill_requests_merged": {},  # its call is flash attention's (GPU only): checked in this process above
 }
 
 

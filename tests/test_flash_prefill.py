@@ -15,12 +15,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def problem(tokens, padded, heads=4, kv_heads=2, dim=64, prefix=0, seed=0):
+    """One request's extend, its index tensors of the dtypes SGLang's Triton backend gives them."""
     g = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=g).to(torch.bfloat16).to(DEVICE)  # noqa: E731
     return dict(q_extend=rand(padded, heads, dim), k_extend=rand(padded, kv_heads, dim), v_extend=rand(padded, kv_heads, dim),
                 o_extend=torch.full((padded, heads, dim), 7.0, dtype=torch.bfloat16, device=DEVICE),
                 k_buffer=rand(64, kv_heads, dim), v_buffer=rand(64, kv_heads, dim),
-                qo_indptr=torch.tensor([0, tokens], dtype=torch.int32, device=DEVICE),
+                qo_indptr=torch.tensor([0, tokens], dtype=torch.int64, device=DEVICE),
                 kv_indptr=torch.tensor([0, prefix], dtype=torch.int32, device=DEVICE),
                 kv_indices=torch.arange(prefix, dtype=torch.int64, device=DEVICE),
                 custom_mask=None, is_causal=True, mask_indptr=None, max_len_extend=tokens, k_scale=1.0, v_scale=1.0)
@@ -58,8 +59,8 @@ def batch_problem(extends, prefixes, padding=3, heads=4, kv_heads=2, dim=64, slo
                                     for _ in range(2))
     indices = torch.randperm(slots, generator=g)[:sum(prefixes)]
     p["kv_indices"] = torch.cat([indices, torch.full((spare,), 10 ** 9)]).to(DEVICE)
-    p["qo_indptr"], p["kv_indptr"] = (torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=DEVICE)
-                                      for lens in (extends, prefixes))
+    p["qo_indptr"], p["kv_indptr"] = (torch.tensor([0, *itertools.accumulate(lens)], dtype=dtype, device=DEVICE)
+                                      for lens, dtype in ((extends, torch.int64), (prefixes, torch.int32)))
     p["max_len_extend"] = max(extends)
     return p
 
@@ -90,6 +91,7 @@ def varlen_stand_in(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scal
     """torch.nn.attention.varlen.varlen_attn as documented (flash attention, which has no CPU kernel): sequences
     packed one after another, causal aligned to each sequence's end; rows past the last sequence unwritten (NaN)."""
     assert window_size == (-1, 0)  # causal
+    assert cu_seq_q.dtype == cu_seq_k.dtype == torch.int32  # flash attention refuses others
     out = torch.full(query.shape, float("nan"), dtype=query.dtype, device=query.device)
     for i in range(cu_seq_q.shape[0] - 1):
         (q0, q1), (k0, k1) = cu_seq_q[i:i + 2].tolist(), cu_seq_k[i:i + 2].tolist()

@@ -274,6 +274,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self):  # the warm-up's requests, then /freeze_gc, the launcher's last call: then the server exits
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if os.environ.get("STUB_FAILS"):  # as SGLang does when its scheduler raises: gone, the request unanswered
+            os._exit(1)
         self.send_response(200); self.end_headers(); self.wfile.write(b"{}")
         if self.path == "/freeze_gc":
             threading.Thread(target=server.shutdown).start()
@@ -305,6 +307,24 @@ def test_serve_reports_ready_only_once_the_server_says_qflash_is_in_place(prints
         assert "ready in" not in out
         assert err.strip().splitlines()[-1] == ("qflash: the server started without qflash's SGLang plugin "
                                                 "(is qflash installed in this Python?)")
+
+
+def test_a_server_that_fails_during_the_warm_up_is_one_line(tmp_path, monkeypatch, capsys):
+    from qflash.server import launcher
+    from qflash.server.cli import parser
+
+    port = free_port()
+    monkeypatch.setattr(launcher, "require_gpu", lambda: None)
+    monkeypatch.setattr(launcher, "dummy_model_dirs", lambda: (tmp_path, tmp_path))
+    monkeypatch.setattr(launcher, "sglang_argv", lambda *args, **kwargs: [sys.executable, "-c", STUB_SERVER, str(port)])
+    monkeypatch.setenv("STUB_PRINTS", "1")
+    monkeypatch.setenv("STUB_FAILS", "1")
+    args = parser("serve").parse_args(["serve", "--port", str(port), "--log", str(tmp_path / "log")])
+    assert launcher.run(args, []) == 1
+    out, err = capsys.readouterr()
+    assert "ready in" not in out and "Traceback" not in err
+    [line] = err.strip().splitlines()  # the dropped request's error: which one depends on where the exit found it
+    assert line.startswith("qflash: the server failed during the warm-up (") and line.endswith(f"log: {tmp_path / 'log'}")
 
 
 def test_the_window_and_qflash_s_sglang_settings_reach_the_server_environment(monkeypatch):

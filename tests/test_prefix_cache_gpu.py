@@ -1,4 +1,5 @@
-"""Prefix caching with DFLASH on the hybrid model, end to end through `./launch.sh` (GPU only).
+"""Prefix caching with DFLASH on the hybrid model, and prompts prefilled together, end to end through `./launch.sh`
+(GPU only).
 
 The radix cache checkpoints the Gated-DeltaNet state every 256 tokens (`extra_buffer`); a checkpoint
 passed during decoding is written by a verify step whose committed tokens cross it, which is what
@@ -6,6 +7,7 @@ sglang#37817 broke and server/hooks/radix_cache.py fixes. Each case decodes acro
 request extending that output: its cache hit includes the decode-written checkpoint, and its greedy
 output must equal, token for token, the same request on an empty cache (computed as with the radix cache
 off: a full prefill). Real verification (SGLANG_SIMULATE_ACC_LEN unset: acceptance decides where steps end).
+Both a cache hit's extend and a batch's prefill pack their requests for flash attention (kernels/flash_prefill.py).
 """
 
 import random
@@ -92,3 +94,33 @@ def test_the_check_catches_a_stale_checkpoint(server, fault_file):
         found = [cached_and_fresh(length) for length in PROMPTS]
     flush()
     assert any(cached["output_ids"] != fresh["output_ids"] for _, cached, fresh in found)
+
+
+BATCH = [700, 64, 1500]  # prompts of one request: one prefill, its requests packed one after another
+
+
+def together_and_alone() -> tuple[list, list]:
+    """(each prompt's output when BATCH's prompts are prefilled together, each one's alone), on an empty cache."""
+    prompts = [prompt(length, 3) for length in BATCH]
+    flush()
+    body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}}
+    r = API.post(BASE + "/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text[:1000]
+    alone = []
+    for ids in prompts:
+        flush()
+        alone.append(generate(ids, 32)["output_ids"])
+    return [out["output_ids"] for out in r.json()], alone
+
+
+def test_prompts_prefilled_together_answer_as_each_alone(server):
+    together, alone = together_and_alone()
+    assert together == alone
+
+
+def test_the_batch_check_catches_merged_requests(server, fault_file):
+    """With the packed requests attended as one sequence (tests/faults), some prompt's output must differ."""
+    with injected(fault_file, "prefill_requests_merged"):
+        together, alone = together_and_alone()
+    flush()
+    assert together != alone

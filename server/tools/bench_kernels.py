@@ -169,7 +169,8 @@ def prefill_attention_row(requests: int, tokens: int, prefix: int) -> dict:
     q = torch.randn(requests * tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
     k, v, k_pool, v_pool = (torch.randn(requests * n, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
                             for n in (tokens, tokens, prefix, prefix))
-    qo_indptr, kv_indptr = (torch.arange(requests + 1, device="cuda", dtype=torch.int32) * n for n in (tokens, prefix))
+    qo_indptr = torch.arange(requests + 1, device="cuda") * tokens  # int64 and int32, as SGLang's Triton backend has them
+    kv_indptr = torch.arange(requests + 1, device="cuda", dtype=torch.int32) * prefix
     slots = torch.arange(requests * prefix, device="cuda")
     args = (q, k, v, torch.empty_like(q), k_pool, v_pool, qo_indptr, kv_indptr, slots, None, True, None, tokens, 1.0, 1.0,
             dim ** -0.5)

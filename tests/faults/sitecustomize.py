@@ -5,7 +5,7 @@ QFLASH_FAULTS_FILE (tests/fault_control.py). Python's `site` imports `sitecustom
 start, and SGLang starts its scheduler and detokenizer with multiprocessing spawn (engine.py sets it), i.e.
 fresh interpreters that inherit the environment, so every process of the server loads this module.
 
-Each fault wraps one SGLang (or qflash window) function that runs on the host in every DFLASH cycle (never inside
+Each fault wraps one SGLang (or qflash) function that runs on the host in every DFLASH cycle or prefill (never inside
 a model runner's captured forward, whose work a wrapper could not switch on and off) and changes its arguments
 while the file names that fault; where qflash's glue graphs (graphs/glue.py) hold such a call, a change of the
 named fault drops them, so they are captured again as the call now runs. A few names are switches rather than
@@ -146,6 +146,18 @@ def logprobs_one_position_late(kw: dict) -> dict:
     return kw
 
 
+def prefill_requests_merged(kw: dict) -> dict:
+    """A prefill's packed requests (a batch, or new tokens over a cached prefix) are attended as one sequence: each
+    request's queries also see the keys of the requests packed before it, as if their boundaries were dropped.
+    Caught by test_prefix_cache_gpu.py::test_the_batch_check_catches_merged_requests: batch != each alone."""
+    import torch
+
+    q, k = kw["cu_seq_q"], kw["cu_seq_k"]
+    kw["cu_seq_q"], kw["cu_seq_k"] = (torch.stack([t[0], t[-1]]) for t in (q, k))
+    kw["max_q"], kw["max_k"] = int(q[-1]), int(k[-1])
+    return kw
+
+
 def glue_eager(kw: dict) -> dict:
     """Not a fault: the cycle's glue runs eagerly, as SGLang runs it (graphs/glue.py), for an A/B of its graphs."""
     kw["key"] = None
@@ -195,6 +207,9 @@ TARGETS = {
     "qflash.server.window.plan_cycles": {"one_cycle_per_step": window_of(1), "window_2": window_of(2),
                                          "window_4": window_of(4)},
     "qflash.graphs.glue.GlueGraphs.run": {"glue_eager": glue_eager},
+    # a prefill's attention over packed requests, looked up in kernels/flash_prefill.py's globals at each call; it
+    # runs between the prefill graph's segments, eagerly (flash_prefill packs nothing while a graph is captured)
+    "qflash.kernels.flash_prefill.varlen_attn": {"prefill_requests_merged": prefill_requests_merged},
     "qflash.server.hooks.cycle_graphs.run_cycle": {"cycle_eager": cycle_eager},
     # the prefill's, from qflash's hook around the breakable graph's replay
     "qflash.graphs.fresh_prefill.replay": {"fresh_prefill_off": fresh_prefill_off},
