@@ -1,7 +1,7 @@
 """Prefill attention through torch's fused kernels (kernels/flash_prefill.py): a fresh prompt's causal attention
-against float64; batches and cached prefixes packed for flash attention (a stand-in with varlen_attn's documented
-semantics on the CPU) against float64 attention read straight from the KV pool; padding rows untouched; every case
-it does not serve handed to SGLang's kernel with its arguments unchanged. The H200 comparison with SGLang's extend
+against float64; a batch of fresh prompts packed for flash attention (a stand-in with varlen_attn's documented
+semantics on the CPU) against float64 attention; padding rows untouched; every case it does not serve (cached
+prefixes among them) handed to SGLang's kernel with its arguments unchanged. The H200 comparison with SGLang's extend
 kernel: test_flash_prefill_gpu.py."""
 
 import itertools
@@ -50,15 +50,13 @@ def test_fresh_prefill_is_causal_attention(tokens, padded):
     assert (p["o_extend"][tokens:] == 7.0).all()  # the padding rows are left alone
 
 
-def batch_problem(extends, prefixes, padding=3, heads=4, kv_heads=2, dim=64, slots=256, spare=0, seed=1):
-    """Requests of `extends` new tokens over cached prefixes at random KV-pool slots; `spare` entries of kv_indices
-    past the prefixes hold garbage, as where SGLang over-allocates it."""
+def batch_problem(extends, prefixes, padding=3, heads=4, kv_heads=2, dim=64, slots=256, seed=1):
+    """Requests of `extends` new tokens over cached prefixes at random KV-pool slots."""
     g = torch.Generator().manual_seed(seed)
     p = problem(sum(extends), sum(extends) + padding, heads, kv_heads, dim, seed=seed)
     p["k_buffer"], p["v_buffer"] = (torch.randn(slots, kv_heads, dim, generator=g).to(torch.bfloat16).to(DEVICE)
                                     for _ in range(2))
-    indices = torch.randperm(slots, generator=g)[:sum(prefixes)]
-    p["kv_indices"] = torch.cat([indices, torch.full((spare,), 10 ** 9)]).to(DEVICE)
+    p["kv_indices"] = torch.randperm(slots, generator=g)[:sum(prefixes)].to(DEVICE)
     p["qo_indptr"], p["kv_indptr"] = (torch.tensor([0, *itertools.accumulate(lens)], dtype=dtype, device=DEVICE)
                                       for lens, dtype in ((extends, torch.int64), (prefixes, torch.int32)))
     p["max_len_extend"] = max(extends)
@@ -100,24 +98,31 @@ def varlen_stand_in(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scal
     return out
 
 
-@pytest.mark.parametrize("extends, prefixes, spare", [
-    ((5, 12, 9), (0, 7, 20), 0), ((5, 12, 9), (0, 0, 0), 0), ((16,), (40,), 0), ((3, 8), (11, 0), 6),
-], ids=["prefixes", "a batch of fresh prompts", "one cached prefix", "kv_indices over-allocated"])
-def test_batches_and_cached_prefixes_are_causal_attention_over_packed_sequences(monkeypatch, extends, prefixes, spare):
+@pytest.mark.parametrize("extends", [(5, 12, 9), (16, 1)], ids=["three prompts", "a one-token prompt"])
+def test_a_batch_of_fresh_prompts_is_causal_attention_over_packed_sequences(monkeypatch, extends):
     monkeypatch.setattr(fp, "varlen_attn", varlen_stand_in)
-    p = batch_problem(extends, prefixes, spare=spare)
+    p = batch_problem(extends, (0,) * len(extends))
     fp.flash_prefill(never_called, **p, sm_scale=0.1)
     tokens = sum(extends)
     assert (p["o_extend"][:tokens].double().cpu() - batch_reference(p, 0.1)).abs().max().item() < 0.02
     assert (p["o_extend"][tokens:] == 7.0).all()  # the padding rows are left alone
 
 
-def test_while_a_graph_is_captured_only_a_fresh_prompt_is_served(monkeypatch):
+@pytest.mark.parametrize("extends, prefixes", [((16,), (40,)), ((5, 12, 9), (0, 7, 20))],
+                         ids=["one cached prefix", "a batch, some with prefixes"])
+def test_new_tokens_over_a_cached_prefix_stay_on_sglangs_kernel(extends, prefixes):
+    p = batch_problem(extends, prefixes)
+    calls = []
+    fp.flash_prefill(lambda *args, **kw: calls.append(args), **p, sm_scale=0.1)
+    assert len(calls) == 1 and calls[0][8] is p["kv_indices"] and (p["o_extend"] == 7.0).all()
+
+
+def test_while_a_graph_is_captured_only_a_lone_prompt_is_served(monkeypatch):
     monkeypatch.setattr(fp.torch.cuda, "is_current_stream_capturing", lambda: True)
     monkeypatch.setattr(fp.torch.Tensor, "is_cuda", True)
     monkeypatch.setattr(fp, "varlen_attn", varlen_stand_in)
     calls = []
-    fp.flash_prefill(lambda *args, **kw: calls.append(args), **batch_problem((5, 12), (0, 7)), sm_scale=0.1)
+    fp.flash_prefill(lambda *args, **kw: calls.append(args), **batch_problem((5, 12), (0, 0)), sm_scale=0.1)
     fp.flash_prefill(never_called, **problem(16, 16), sm_scale=0.1)
     assert len(calls) == 1
 

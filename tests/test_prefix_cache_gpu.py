@@ -7,7 +7,8 @@ sglang#37817 broke and server/hooks/radix_cache.py fixes. Each case decodes acro
 request extending that output: its cache hit includes the decode-written checkpoint, and its greedy
 output must equal, token for token, the same request on an empty cache (computed as with the radix cache
 off: a full prefill). Real verification (SGLANG_SIMULATE_ACC_LEN unset: acceptance decides where steps end).
-Both a cache hit's extend and a batch's prefill pack their requests for flash attention (kernels/flash_prefill.py).
+A batch's prefill packs its prompts for flash attention (kernels/flash_prefill.py); a cache hit's extend stays on
+SGLang's kernel.
 """
 
 import random

@@ -4,10 +4,10 @@
   runs it through its extend kernel, which walks the cached prefix serially with one program per (request,
   head). The backend has a hook for a split-KV verify kernel (`use_verify_splitkv`, switched on for AMD gfx95
   only); qflash plugs kernels/block_attention.py in there, which declines (returns False) what it does not serve.
-- Prefills (plain causal: a fresh prompt, a batch of them, new tokens over a cached prefix): the backend keeps its
-  extend kernel as an attribute, `extend_attention_fwd`, which is wrapped by kernels/flash_prefill.py (torch's
-  fused SDPA and flash attention); every other extend (masks, windows, caps, scaled KV, and batches or prefixes
-  while a CUDA graph is captured) reaches SGLang's kernel unchanged.
+- Fresh prefills (plain causal, nothing cached: a prompt, or a batch of them): the backend keeps its extend kernel
+  as an attribute, `extend_attention_fwd`, which is wrapped by kernels/flash_prefill.py (torch's fused SDPA and
+  flash attention); every other extend (cached prefixes, masks, windows, caps, scaled KV, and batches while a CUDA
+  graph is captured) reaches SGLang's kernel unchanged.
 Both are set on each backend as it is built. Retire when SGLang's Triton backend has split-KV verify on CUDA and a
 flash prefill path of its own.
 """

@@ -155,39 +155,37 @@ def render_gdn_prefill(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-# (requests, new tokens each, cached prefix each): fresh prompts, a batch of them, chat turns over a cached prefix.
-PREFILL_ATTENTION_CASES = ((1, 512, 0), (1, 2048, 0), (1, 8192, 0), (7, 1170, 0), (1, 400, 2304), (4, 256, 2048))
+# (requests, tokens each): fresh prompts, and a batch of them as the concurrency sweep prefills it.
+PREFILL_ATTENTION_CASES = ((1, 512), (1, 2048), (1, 8192), (7, 1170))
 
 
-def prefill_attention_row(requests: int, tokens: int, prefix: int) -> dict:
-    """One target full-attention layer's prefill (16 query heads, 4 KV heads, dim 256) of `requests` requests of
-    `tokens` new tokens over `prefix` cached ones each: SGLang's Triton extend kernel against torch's fused kernels
-    (kernels/flash_prefill.py), GPU us and TFLOP/s."""
+def prefill_attention_row(requests: int, tokens: int) -> dict:
+    """One target full-attention layer's prefill (16 query heads, 4 KV heads, dim 256) of `requests` fresh prompts of
+    `tokens` tokens each: SGLang's Triton extend kernel against torch's fused kernels (kernels/flash_prefill.py), us
+    per eager call and TFLOP/s."""
     from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 
     heads, kv_heads, dim = ATTENTION_HEADS
     q = torch.randn(requests * tokens, heads, dim, device="cuda", dtype=torch.bfloat16)
-    k, v, k_pool, v_pool = (torch.randn(requests * n, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
-                            for n in (tokens, tokens, prefix, prefix))
+    k, v = (torch.randn(requests * tokens, kv_heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    empty = torch.zeros(0, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
     qo_indptr = torch.arange(requests + 1, device="cuda") * tokens  # int64 and int32, as SGLang's Triton backend has them
-    kv_indptr = torch.arange(requests + 1, device="cuda", dtype=torch.int32) * prefix
-    slots = torch.arange(requests * prefix, device="cuda")
-    args = (q, k, v, torch.empty_like(q), k_pool, v_pool, qo_indptr, kv_indptr, slots, None, True, None, tokens, 1.0, 1.0,
-            dim ** -0.5)
-    # eagerly, as a prefill's attention layers run between its graph's segments (flash_prefill packs nothing
-    # while a graph is captured)
+    kv_indptr = torch.zeros(requests + 1, device="cuda", dtype=torch.int32)
+    args = (q, k, v, torch.empty_like(q), empty, empty, qo_indptr, kv_indptr, torch.zeros(0, device="cuda", dtype=torch.int64),
+            None, True, None, tokens, 1.0, 1.0, dim ** -0.5)
+    # eagerly, as a batch's attention runs between its prefill graph's segments
     sglang_us = eager_us(lambda: extend_attention_fwd(*args))
     torch_us = eager_us(lambda: flash_prefill(None, *args))
-    flop = 4 * heads * dim * requests * tokens * (prefix + (tokens + 1) / 2)
-    return {"requests": requests, "tokens": tokens, "prefix": prefix, "sglang_us": sglang_us, "torch_us": torch_us,
+    flop = 4 * heads * dim * requests * tokens * (tokens + 1) / 2
+    return {"requests": requests, "tokens": tokens, "sglang_us": sglang_us, "torch_us": torch_us,
             "sglang_tflops": flop / sglang_us / 1e6, "torch_tflops": flop / torch_us / 1e6}
 
 
 def render_prefill_attention(rows: list[dict]) -> str:
-    out = ["Prefill attention, one target layer (16 / 4 heads, dim 256), eager calls:", "",
-           "| requests x new tokens | cached prefix each | SGLang Triton extend us (TFLOP/s) | torch SDPA / flash us (TFLOP/s) |",
-           "| ---: | ---: | ---: | ---: |"]
-    out += [f"| {r['requests']} x {r['tokens']} | {r['prefix']} | {_f(r['sglang_us'])} ({r['sglang_tflops']:.0f}) "
+    out = ["Prefill attention of fresh prompts, one target layer (16 / 4 heads, dim 256), eager calls:", "",
+           "| requests x tokens | SGLang Triton extend us (TFLOP/s) | torch SDPA / flash us (TFLOP/s) |",
+           "| ---: | ---: | ---: |"]
+    out += [f"| {r['requests']} x {r['tokens']} | {_f(r['sglang_us'])} ({r['sglang_tflops']:.0f}) "
             f"| {_f(r['torch_us'])} ({r['torch_tflops']:.0f}) |" for r in rows]
     return "\n".join(out) + "\n"
 

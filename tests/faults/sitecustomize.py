@@ -147,7 +147,7 @@ def logprobs_one_position_late(kw: dict) -> dict:
 
 
 def prefill_requests_merged(kw: dict) -> dict:
-    """A prefill's packed requests (a batch, or new tokens over a cached prefix) are attended as one sequence: each
+    """A batch of fresh prompts, packed one after another for flash attention, is attended as one sequence: each
     request's queries also see the keys of the requests packed before it, as if their boundaries were dropped.
     Caught by test_prefix_cache_gpu.py::test_the_batch_check_catches_merged_requests: batch != each alone."""
     import torch
