@@ -154,8 +154,9 @@ def test_profile_command_line():
     assert args.with_stack and not args.prefix_cache
 
 
-@pytest.mark.parametrize("prefill", [False, True], ids=["cycles", "prefill"])
-def test_the_profiler_starts_before_the_request_or_a_few_cycles_in(tmp_path, monkeypatch, prefill):
+@pytest.mark.parametrize("prefill, cached", [(False, 0), (True, 0), (True, 16)],
+                         ids=["cycles", "prefill", "prefill over a cached prefix"])
+def test_the_profiler_starts_before_the_request_or_a_few_cycles_in(tmp_path, monkeypatch, prefill, cached):
     """Against a local HTTP stand-in for SGLang's two endpoints, streaming a chunk every 0.1 s: when the
     profiler is started, relative to the profiled request's chunks, is what is checked."""
     import gzip
@@ -169,6 +170,7 @@ def test_the_profiler_starts_before_the_request_or_a_few_cycles_in(tmp_path, mon
 
     monkeypatch.setattr(profile, "_wait_for_trace", lambda folder: next(folder.glob("*.trace.json.gz")))
     sent = []  # chunks streamed so far, per request
+    prompts = []  # each request's input_ids
     started = []  # (request index, chunks it had streamed) at each /start_profile
 
     class Stub(BaseHTTPRequestHandler):
@@ -186,6 +188,7 @@ def test_the_profiler_starts_before_the_request_or_a_few_cycles_in(tmp_path, mon
                 return
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
+            prompts.append(body["input_ids"])
             sent.append(0)
             for _ in range(8):
                 data = b'data: {"text": "x"}\n\n'
@@ -202,7 +205,7 @@ def test_the_profiler_starts_before_the_request_or_a_few_cycles_in(tmp_path, mon
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
         trace = profile._profile_one(SimpleNamespace(base_url=f"http://127.0.0.1:{httpd.server_address[1]}"),
-                                     "qflash", tmp_path, 64, 2, prefill, with_stack=prefill)
+                                     "qflash", tmp_path, 64, 2, prefill, with_stack=prefill, cached=cached)
     finally:
         httpd.shutdown()
     assert trace.name == "qflash-0.trace.json.gz" and len(started) == 1 and len(sent) == 2
@@ -212,3 +215,18 @@ def test_the_profiler_starts_before_the_request_or_a_few_cycles_in(tmp_path, mon
         assert (request, chunks) == (0, 8)  # after the warm-up, before the profiled request
     else:
         assert request == 1 and chunks in (profile.SKIP_CHUNKS + 1, profile.SKIP_CHUNKS + 2)  # a few cycles in
+    warm_up, profiled = prompts
+    assert len(warm_up) == len(profiled) == 64
+    assert warm_up[:cached] == profiled[:cached] and warm_up[cached] != profiled[cached]  # shared up to `cached` alone
+
+
+@pytest.mark.parametrize("argv", [["--cached", "512"], ["--prefill", "--cached", "2048"],
+                                  ["--prefill", "--cached", "512", "--no-prefix-cache"],
+                                  ["--prefill", "--cached", "512", "--system", "sglang-bf16"]],
+                         ids=["without --prefill", "not below the prompt", "no prefix cache", "a stock system"])
+def test_a_cached_prefix_the_profile_cannot_make_is_one_line(argv, capsys):
+    from qflash.server.cli import main
+
+    assert main(["profile", "--out", "/tmp/p", "--prompt-len", "2048", *argv]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "qflash profile: --cached needs --prefill, qflash with its prefix cache, and fewer tokens than each --prompt-len"]

@@ -4,7 +4,9 @@ Starts a system as `qflash bench` does (dummy model, SGLANG_SIMULATE_ACC_LEN), s
 then streams one request of the given prompt length; a few cycles into its decoding (prefill done), SGLang's
 own profiler (`/start_profile`, CPU + GPU activities) records a fixed number of forward steps, each one
 DFlash draft + verify cycle. With `--prefill` the profiler starts before the request instead, so its first
-steps are recorded: the prefill (target and draft) that the time to first token is made of.
+steps are recorded: the prefill (target and draft) that the time to first token is made of; with `--cached N` too,
+the profiled prompt starts with the warm-up's first N tokens, so its prefill is a chat turn's: new tokens over a
+cached prefix (from the radix cache's last checkpoint at or below N, every 256 tokens on this hybrid model).
 The trace's GPU kernels are summed by family per step and by launch: each CUDA-graph replay is one group
 (named by what it holds: the draft graph picks tokens with an argmax, the verify graph runs the target's GEMMs
 and Gated-DeltaNet, a cycle graph, server/hooks/cycle_graphs.py, both), kernels launched one by one are "eager".
@@ -20,11 +22,12 @@ from pathlib import Path
 
 import requests
 
+from qflash.server.errors import UserError
 from qflash.server.launcher import require_gpu
 from qflash.server.preset import PREFIX_CACHE
 from qflash.server.tools import floors
 from qflash.server.tools.systems import (OUTPUT_LEN, SGLANG_SYSTEMS, add_speculation_args, make_prompt, positive_csv,
-                                         system_server)
+                                         positive_int, system_server)
 
 # (family, kernel-name pattern): the first match wins; names are Triton / CUDA kernel symbols.
 FAMILIES = [
@@ -180,19 +183,26 @@ def _wait_for_trace(folder: Path, timeout_s: float = 300) -> Path:
     raise TimeoutError(f"no profiler trace in {folder} after {timeout_s:.0f} s")
 
 
+def prompts(prompt_len: int, cached: int) -> tuple[list[int], list[int]]:
+    """(warm-up prompt, profiled prompt): the profiled one starts with the warm-up's first `cached` tokens."""
+    warm_up = make_prompt(prompt_len, 0)
+    return warm_up, warm_up[:cached] + make_prompt(prompt_len, 1)[cached:]
+
+
 def _profile_one(server, system: str, traces: Path, prompt_len: int, steps: int, prefill: bool = False,
-                 with_stack: bool = False) -> Path:
+                 with_stack: bool = False, cached: int = 0) -> Path:
     """Warm up at this length, then record `steps` forward steps of a second request: decode cycles from a
     few cycles in, or with `prefill` its first steps (the prefill and what follows); `with_stack` adds the Python
-    call stacks (where the host time goes, at a further cost in host time); returns the trace file."""
+    call stacks (where the host time goes, at a further cost in host time); `cached` tokens of the second request's
+    prompt are the warm-up's; returns the trace file."""
     sampling = {"max_new_tokens": PROFILED_LEN, "temperature": 0.0, "ignore_eos": True}
     profile = {"output_dir": str(traces), "num_steps": steps, "activities": ["CPU", "GPU"],
                "profile_prefix": system, "with_stack": with_stack, "record_shapes": False}
     traces.mkdir(parents=True, exist_ok=True)
-    for index in (0, 1):  # a warm-up request, then the profiled one
+    for index, prompt in enumerate(prompts(prompt_len, cached)):  # a warm-up request, then the profiled one
         if index and prefill:
             requests.post(server.base_url + "/start_profile", json=profile, timeout=120).raise_for_status()
-        body = {"input_ids": make_prompt(prompt_len, index), "sampling_params": sampling, "stream": True}
+        body = {"input_ids": prompt, "sampling_params": sampling, "stream": True}
         with requests.post(server.base_url + "/generate", json=body, stream=True, timeout=600) as resp:
             resp.raise_for_status()
             chunks = (line for line in resp.iter_lines() if line.startswith(b"data:"))
@@ -203,15 +213,17 @@ def _profile_one(server, system: str, traces: Path, prompt_len: int, steps: int,
 
 
 def profile_buckets(server, system: str, out: Path, prompt_lens: list[int], steps: int, flags: list[str] = (),
-                    prefill: bool = False, with_stack: bool = False) -> dict:
-    """Profile `steps` cycles (or, with `prefill`, a request's first steps) at each prompt length on a
-    running server; one table per length in `out`."""
-    out, kind = Path(out).resolve(), "-prefill" if prefill else ""
-    found = [(n, _profile_one(server, system, out / "traces" / f"{system}-{n}{kind}", n, steps, prefill, with_stack)) for n in prompt_lens]
+                    prefill: bool = False, with_stack: bool = False, cached: int = 0) -> dict:
+    """Profile `steps` cycles (or, with `prefill`, a request's first steps, over `cached` tokens of the warm-up's
+    prompt) at each prompt length on a running server; one table per length in `out`."""
+    out, kind = Path(out).resolve(), ("-prefill" if prefill else "") + (f"-cached{cached}" if cached else "")
+    found = [(n, _profile_one(server, system, out / "traces" / f"{system}-{n}{kind}", n, steps, prefill, with_stack, cached))
+             for n in prompt_lens]
     report = {}
     for prompt_len, trace_path in found:
         summary = summarize(json.loads(gzip.open(trace_path).read()), steps)
-        extra = (" --prefill" if prefill else "") + (" --with-stack" if with_stack else "") + (f" {' '.join(flags)}" if flags else "")
+        extra = ((" --prefill" if prefill else "") + (f" --cached {cached}" if cached else "")
+                 + (" --with-stack" if with_stack else "") + (f" {' '.join(flags)}" if flags else ""))
         title = f"`qflash profile --system {system} --prompt-len {prompt_len} --steps {steps}{extra}`: {trace_path.name}"
         table = render(summary, title, floors.per_cycle_ms(prompt_len) if system == "qflash" and not prefill else None)
         (out / f"{system}-{prompt_len}{kind}-profile.md").write_text(table)
@@ -223,11 +235,11 @@ def profile_buckets(server, system: str, out: Path, prompt_lens: list[int], step
 
 def run_profile(system: str, out: Path, prompt_lens: list[int], steps: int, acc_len: float,
                 flags: list[str] = (), port: int = 30030, prefill: bool = False, with_stack: bool = False,
-                prefix_cache: bool = PREFIX_CACHE) -> int:
+                prefix_cache: bool = PREFIX_CACHE, cached: int = 0) -> int:
     """Profile one server of `system` (plus extra SGLang `flags`) at each prompt length; one table per length."""
     out = Path(out).resolve()
     with system_server(system, out / f"{system}.log", port, acc_len, flags=list(flags), prefix_cache=prefix_cache) as server:
-        profile_buckets(server, system, out, prompt_lens, steps, flags, prefill, with_stack)
+        profile_buckets(server, system, out, prompt_lens, steps, flags, prefill, with_stack, cached)
     return 0
 
 
@@ -239,12 +251,17 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt-len", type=positive_csv, default=[2048], help="comma list of prompt lengths, one server (default 2048)")
     p.add_argument("--steps", type=int, default=10, help="cycles to record (default 10)")
     p.add_argument("--prefill", action="store_true", help="record the request's first steps (its prefill) instead")
+    p.add_argument("--cached", type=positive_int, default=0, metavar="TOKENS",
+                   help="with --prefill: the prompt's first TOKENS tokens are the warm-up's (a prefill over a cached prefix)")
     p.add_argument("--with-stack", action="store_true", help="also record Python call stacks (host time, inflated)")
     add_speculation_args(p)
     p.add_argument("--out", type=Path, required=True, help="folder for the trace, profile.md and profile.json")
 
 
 def run(args, extra) -> int:
+    if args.cached and not (args.prefill and args.prefix_cache and args.system == "qflash"
+                            and args.cached < min(args.prompt_len)):
+        raise UserError("--cached needs --prefill, qflash with its prefix cache, and fewer tokens than each --prompt-len")
     require_gpu()
     return run_profile(args.system, args.out, args.prompt_len, args.steps, args.acc_len, extra, prefill=args.prefill,
-                       with_stack=args.with_stack, prefix_cache=args.prefix_cache)
+                       with_stack=args.with_stack, prefix_cache=args.prefix_cache, cached=args.cached)
