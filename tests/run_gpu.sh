@@ -8,7 +8,8 @@
 #   BENCH_KERNELS=1        qflash bench-kernels $BENCH_KERNELS_ARGS (e.g. --skip-gemms)
 #   AB_TREE=.ab            qflash bench --systems qflash $AB_ARGS from another tree, then from the checkout, on one
 #                          machine (a diagnostic: no stock row). Make it with `git archive REF | tar -x -C .ab`
-#                          (git-ignored) and carry it too
+#                          (git-ignored) and carry it too. AB_FIRST=checkout runs the checkout first: the second
+#                          server started on a lent machine has run slower (BENCHMARKS.md, 2026-12-04), so alternate
 #   BENCH=sys1,sys2,...    qflash bench --systems ... $BENCH_ARGS (e.g. BENCH_ARGS="--profile-steps 0")
 #   SWITCH_AB=sw1,sw2      tests/switch_ab.py --switches ... $SWITCH_AB_ARGS: the test plugin's run-time switches
 #                          (one_cycle_per_step, plan_stream_off, ...) against the default, on one server
@@ -69,7 +70,9 @@ if [ "${BENCH_KERNELS:-0}" = 1 ]; then
 fi
 
 if [ -n "${AB_TREE:-}" ]; then
-  for tree in "$AB_TREE" .; do
+  order=("$AB_TREE" .)
+  [ "${AB_FIRST:-ref}" = checkout ] && order=(. "$AB_TREE")
+  for tree in "${order[@]}"; do
     side=$([ "$tree" = . ] && echo checkout || echo ref)
     python3 -m pip install -q --no-deps --no-build-isolation -e "$tree" || exit 1
     # shellcheck disable=SC2086

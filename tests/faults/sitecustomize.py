@@ -207,8 +207,8 @@ TARGETS = {
     "qflash.server.window.plan_cycles": {"one_cycle_per_step": window_of(1), "window_2": window_of(2),
                                          "window_4": window_of(4)},
     "qflash.graphs.glue.GlueGraphs.run": {"glue_eager": glue_eager},
-    # a prefill's attention over packed requests, looked up in kernels/flash_prefill.py's globals at each call; it
-    # runs between the prefill graph's segments, eagerly (flash_prefill packs nothing while a graph is captured)
+    # a batch prefill's attention, looked up in kernels/flash_prefill.py's globals at each call; it runs between the
+    # prefill graph's segments, eagerly (while a graph is captured, flash_prefill leaves batches to SGLang's kernel)
     "qflash.kernels.flash_prefill.varlen_attn": {"prefill_requests_merged": prefill_requests_merged},
     "qflash.server.hooks.cycle_graphs.run_cycle": {"cycle_eager": cycle_eager},
     # the prefill's, from qflash's hook around the breakable graph's replay
