@@ -44,7 +44,7 @@ def test_a_batch_of_fresh_prompts_agrees_with_sglangs_extend_kernel(extends):
     from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 
     scale = 256 ** -0.5
-    ours = batch_problem(extends, (0,) * len(extends), padding=5, heads=16, kv_heads=4, dim=256, slots=8192)
+    ours = batch_problem(extends, (0,) * len(extends), padding=5, heads=16, kv_heads=4, dim=256)
     theirs = dict(ours, o_extend=ours["o_extend"].clone())
     flash_prefill(None, **ours, sm_scale=scale)
     extend_attention_fwd(**theirs, sm_scale=scale)
