@@ -11,6 +11,7 @@ A batch's prefill packs its prompts for flash attention (kernels/flash_prefill.p
 SGLang's kernel.
 """
 
+import concurrent.futures
 import random
 
 import pytest
@@ -125,3 +126,48 @@ def test_the_batch_check_catches_merged_requests(server, fault_file):
         together, alone = together_and_alone()
     flush()
     assert together != alone
+
+
+# Prompts past their prefill's checkpoint (the last 64-token chunk boundary) by a few tokens: over the cached prefix
+# the batch's new tokens together stay within qflash's recurrent GDN prefill (kernels/gdn_prefill.py, MAX_TOKENS),
+# or, 63 past, exceed it. With the prompts prefilled by a whole fresh-prompt graph (server/hooks/fresh_prefill.py,
+# before `checkpointed`), the short tails of 1, 3 and 10 tokens answered otherwise alone and together (2026-12-04).
+SHORT_TAILS = [10, 45, 3, 40, 41, 52, 1, 44]
+LONG_TAILS = [63] * 8
+
+
+def concurrently(prompts: list[list[int]], new: int) -> list[list[int]]:
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda ids: generate(ids, new)["output_ids"], prompts))
+
+
+def mismatches(outputs: list[list[int]], reference: list[list[int]]) -> dict[int, int]:
+    """{request: its first differing output position}."""
+    return {i: next(k for k, (a, b) in enumerate(zip(out, ref)) if a != b)
+            for i, (out, ref) in enumerate(zip(outputs, reference)) if out != ref}
+
+
+@pytest.mark.parametrize("tails", [SHORT_TAILS, LONG_TAILS], ids=["short-tails", "long-tails"])
+def test_requests_over_cached_prefixes_answer_alone_and_together_as_uncached(server, tails):
+    """Each prompt on an empty cache is the reference; then, with the cache holding every prompt's checkpoint, each
+    alone and all at once (one prefill batch of cache hits, then batched verify)."""
+    prompts = [prompt(64 * (1 + i % 4) + tail, 4) for i, tail in enumerate(tails)]
+    reference = []
+    for ids in prompts:
+        flush()
+        reference.append(generate(ids, 64)["output_ids"])
+    flush()
+    for ids in prompts:
+        generate(ids, 64)  # leaves each prompt's checkpoint in the cache
+    alone = [generate(ids, 64) for ids in prompts]
+    assert all(out["meta_info"]["cached_tokens"] > 0 for out in alone[1:]), [o["meta_info"] for o in alone]
+    together = concurrently(prompts, 64)
+    flush()
+    fresh_together = concurrently(prompts, 64)
+    flush()
+    print(f"\n{len(prompts)} prompts over cached prefixes, first differing position by request: alone "
+          f"{mismatches([o['output_ids'] for o in alone], reference)}, together {mismatches(together, reference)}; "
+          f"fresh together {mismatches(fresh_together, reference)}")
+    assert [o["output_ids"] for o in alone] == reference
+    assert together == reference
+    assert fresh_together == reference
