@@ -35,14 +35,16 @@ def _register_model_and_method() -> list[str]:
 
     from qflash.quant.layout import METHOD_NAME
     from qflash.quant.method import QflashW8A8Config
+    from qflash.server.models.dflash_drafter import DFlashDraftModel
     from qflash.server.models.qwen3_5_text import Qwen3_5ForConditionalGeneration
 
     ModelRegistry.register(MODEL_PACKAGE, overwrite=True, strict=True)
     QUANTIZATION_METHODS[METHOD_NAME] = QflashW8A8Config
     if METHOD_NAME not in QUANTIZATION_CHOICES:
         add_quantization_method_choices([METHOD_NAME])
-    found = {"model class": ModelRegistry.models.get(Qwen3_5ForConditionalGeneration.__name__) is Qwen3_5ForConditionalGeneration,
-             "quantization method": QUANTIZATION_METHODS.get(METHOD_NAME) is QflashW8A8Config}
+    found = {f"model class {cls.__name__}": ModelRegistry.models.get(cls.__name__) is cls
+             for cls in (Qwen3_5ForConditionalGeneration, DFlashDraftModel)}
+    found["quantization method"] = QUANTIZATION_METHODS.get(METHOD_NAME) is QflashW8A8Config
     return [name for name, ok in found.items() if not ok]
 
 

@@ -109,25 +109,47 @@ def _within_one_ulp(a, b) -> tuple[bool, float]:
     return bool(close.all()), (a != b).float().mean().item()
 
 
+@pytest.mark.parametrize("gemma", [True, False], ids=["gemma", "plain"])
 @pytest.mark.parametrize("m", [16, 8192])
-def test_norm_quant_against_sglangs_norm_at_the_real_width(m):
+def test_norm_quant_against_sglangs_norm_at_the_real_width(m, gemma):
     """The norm's output within 1 ulp of SGLang's CUDA kernel (their reductions differ in order), its residual
-    the same bits, its int8 rows those of what it wrote, bit for bit."""
-    from sglang.srt.layers.layernorm import GemmaRMSNorm
+    the same bits, its int8 rows those of what it wrote, bit for bit: the target's Gemma norms, the drafter's."""
+    from sglang.srt.layers.layernorm import GemmaRMSNorm, RMSNorm
 
-    from qflash.kernels.norm_quant import gemma_norm_quant
+    from qflash.kernels.norm_quant import rms_norm_quant
     from qflash.server.tools.shapes import HIDDEN
 
-    norm = GemmaRMSNorm(HIDDEN, eps=1e-6).to(device="cuda", dtype=torch.bfloat16)  # as served: bf16 weights
-    norm.weight.data.copy_(activations(1, HIDDEN, 1)[0] * 0.2)
+    norm = (GemmaRMSNorm if gemma else RMSNorm)(HIDDEN, eps=1e-6).to(device="cuda", dtype=torch.bfloat16)  # as served
+    norm.weight.data.copy_(activations(1, HIDDEN, 1)[0] * 0.2 + (0 if gemma else 1))
     x, residual = activations(m, HIDDEN, 2), activations(m, HIDDEN, 3) * 4
     ref_out, ref_res = norm.forward_cuda(x.clone(), residual.clone())
     out, res = x.clone(), residual.clone()
-    q, scale = gemma_norm_quant(out, res, norm.weight.data, norm.variance_epsilon, out)
+    q, scale = rms_norm_quant(out, res, norm.weight.data, norm.variance_epsilon, out, gemma)
     assert torch.equal(res, ref_res)
     close, differ = _within_one_ulp(out, ref_out)
     assert close and differ < 0.01, f"{differ:.2%} of the outputs differ"
     q_ref, scale_ref = quant_reference(out.cpu())
+    assert torch.equal(q.cpu(), q_ref) and torch.equal(scale.cpu(), scale_ref)
+
+
+@pytest.mark.parametrize("m", [16, 8192])
+def test_gated_norm_quant_against_sglangs_gated_norm_at_the_real_width(m):
+    """Gated-DeltaNet's output norm as SGLang's layer calls it (rows of one head, FLA's kernel): each head's output
+    within 1 ulp, the int8 rows those of each token's heads as written, bit for bit."""
+    from sglang.kernels.ops.attention.fla.layernorm_gated import RMSNorm as RMSNormGated
+
+    from qflash.kernels.gated_norm_quant import gated_norm_quant
+    from qflash.server.preset import TEXT_CONFIG
+
+    heads, head_dim = TEXT_CONFIG["linear_num_value_heads"], TEXT_CONFIG["linear_value_head_dim"]
+    norm = RMSNormGated(head_dim, eps=1e-6, group_size=None, norm_before_gate=True, device="cuda", dtype=torch.bfloat16)
+    norm.weight.data.copy_(activations(1, head_dim, 5)[0] * 0.2 + 1)
+    x, z = activations(m * heads, head_dim, 6), activations(m * heads, head_dim, 7) * 3
+    ref = norm(x, z)
+    out, q, scale = gated_norm_quant(x, z, norm.weight.data, norm.eps, heads * head_dim)
+    close, differ = _within_one_ulp(out, ref)
+    assert close and differ < 0.01, f"{differ:.2%} of the outputs differ"
+    q_ref, scale_ref = quant_reference(out.view(m, -1).cpu())
     assert torch.equal(q.cpu(), q_ref) and torch.equal(scale.cpu(), scale_ref)
 
 

@@ -1,14 +1,16 @@
-"""The norms and SiLU-and-multiply that write their output's int8 rows, and the handoff of those rows to the W8A8
-projection (CPU: Triton's interpreter, which truncates fp32 -> bf16, hence the 1-ulp tolerances on bf16 outputs)."""
+"""The norms (Gemma, plain, Gated-DeltaNet's gated one) and SiLU-and-multiply that write their output's int8 rows,
+and the handoff of those rows to the W8A8 projection (CPU: Triton's interpreter, which truncates fp32 -> bf16,
+hence the 1-ulp tolerances on bf16 outputs)."""
 
 import pytest
 import torch
 
-from qflash.kernels.norm_quant import gemma_norm_quant
+from qflash.kernels.gated_norm_quant import gated_norm_quant
+from qflash.kernels.norm_quant import rms_norm_quant
 from qflash.kernels.silu_mul_quant import silu_mul_quant
 from qflash.quant import handoff
 from qflash.quant.method import W8A8LinearMethod, runs_w8a8
-from qflash.server.hooks.quant_handoff import _norm_with_int8_output, _silu_mul_with_int8_output
+from qflash.server.hooks.quant_handoff import _gated_norm_with_int8_output, _rms_norm, _silu_mul_with_int8_output
 from test_kernels import BF16_ULP, DEVICE, int8_weight, quant_reference
 
 EPS = 1e-6
@@ -18,30 +20,48 @@ def rows(m, k, seed, scale=1.0):
     return (torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * scale).to(torch.bfloat16).to(DEVICE)
 
 
-def gemma_reference(x, residual, weight):
-    """SGLang's CUDA norm in float64: the residual sum kept unrounded, as flashinfer's kernel does."""
+def norm_reference(x, residual, weight, gemma=True):
+    """SGLang's CUDA norms in float64: the residual sum kept unrounded, as flashinfer's kernels do."""
     h = x.double() + (0 if residual is None else residual.double())
-    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * (1 + weight.double()), h
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS) * (int(gemma) + weight.double()), h
+
+
+def gated_reference(x, z, weight):
+    """FLA's gated norm in float64: each row (one head) normalised, times the weight, times silu(z)."""
+    x, z = x.double(), z.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight.double() * z * torch.sigmoid(z)
 
 
 def within_ulp(y, ref, ulps=2):
     return ((y.double() - ref).abs() <= ulps * BF16_ULP * ref.abs() + 1e-30).all()
 
 
+@pytest.mark.parametrize("gemma", [True, False], ids=["gemma", "plain"])
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_norm_writes_the_norm_and_the_int8_rows_of_what_it_wrote(with_residual):
+def test_norm_writes_the_norm_and_the_int8_rows_of_what_it_wrote(with_residual, gemma):
     x, residual, weight = rows(5, 300, 1), rows(5, 300, 2) if with_residual else None, rows(1, 300, 3)[0] * 0.1
     x[3] = 0  # a row of zeros (with its residual, or alone: rsqrt(eps), no NaN)
     x0, r0 = x.clone(), None if residual is None else residual.clone()
     out = x if with_residual else torch.empty_like(x)
-    q, scale = gemma_norm_quant(x, residual, weight, EPS, out)
-    ref, summed = gemma_reference(x0, r0, weight)
+    q, scale = rms_norm_quant(x, residual, weight, EPS, out, gemma)
+    ref, summed = norm_reference(x0, r0, weight, gemma)
     assert within_ulp(out, ref) and not out.isnan().any()
     if with_residual:
         assert within_ulp(residual, summed, ulps=1)
     else:
         assert torch.equal(x, x0)  # out of place: the input is left as it was
     q_ref, scale_ref = quant_reference(out.cpu())
+    assert torch.equal(q.cpu(), q_ref) and torch.equal(scale.cpu(), scale_ref)
+
+
+def test_gated_norm_writes_each_heads_norm_and_the_int8_rows_of_each_tokens_heads():
+    tokens, heads, head_dim = 3, 4, 32
+    x, z, weight = rows(tokens * heads, head_dim, 16, 2.0), rows(tokens * heads, head_dim, 17, 3.0), rows(1, head_dim, 18)[0]
+    x[5] = 0  # a head of zeros: rsqrt(eps), no NaN
+    out, q, scale = gated_norm_quant(x, z, weight, EPS, heads * head_dim)
+    assert out.shape == x.shape and q.shape == (tokens, heads * head_dim) and scale.shape == (tokens,)
+    assert within_ulp(out, gated_reference(x, z, weight), ulps=3) and not out.isnan().any()
+    q_ref, scale_ref = quant_reference(out.view(tokens, -1).cpu())  # a token's row: all its heads
     assert torch.equal(q.cpu(), q_ref) and torch.equal(scale.cpu(), scale_ref)
 
 
@@ -61,8 +81,10 @@ def test_a_projection_reads_the_offered_rows_only_for_that_tensor_unchanged():
     assert handoff.take(x) == (q, scale)
     assert handoff.take(x) == (q, scale)  # a second reader of the same input (a GDN layer's two projections)
     assert handoff.take(x.clone()) == (None, None)
-    assert handoff.take(x.view(4, 64)) == (None, None)  # another tensor object over the same memory
-    x.mul_(2)  # changed since: quantized anew
+    assert handoff.take(x.view(4, 64)) == (q, scale)  # another view of the same memory, as the rows see it
+    assert handoff.take(x.view(8, 32)) == (None, None)  # the same memory as other rows
+    assert handoff.take(x[1:]) == (None, None) and handoff.take(x[:, :32]) == (None, None)
+    x.view(4, 64)[0, 0] = 1  # changed since, through a view: quantized anew
     assert handoff.take(x) == (None, None)
 
 
@@ -77,7 +99,7 @@ def test_a_projection_given_the_rows_computes_what_it_computes_without_them():
     """The whole point: the same bits. A handoff whose rows were not those of its tensor would fail here."""
     linear, x = _Linear(48, 300, 6), rows(8, 300, 7)
     alone = linear.quant_method.apply(linear, x.clone())
-    q, scale = gemma_norm_quant(x, None, torch.zeros(300, dtype=torch.bfloat16, device=DEVICE), EPS, x)
+    q, scale = rms_norm_quant(x, None, torch.zeros(300, dtype=torch.bfloat16, device=DEVICE), EPS, x)
     expected = linear.quant_method.apply(linear, x.clone())
     handoff.offer(x, q, scale)
     assert torch.equal(linear.quant_method.apply(linear, x), expected)
@@ -86,42 +108,122 @@ def test_a_projection_given_the_rows_computes_what_it_computes_without_them():
     assert not torch.equal(linear.quant_method.apply(linear, x), expected)
 
 
-class _Norm(torch.nn.Module):
-    def __init__(self, k):
-        super().__init__()
-        self.weight = torch.nn.Parameter(rows(1, k, 8)[0] * 0.1)
-        self.variance_epsilon = EPS
+def _norm(cls, k, **kwargs):
+    """SGLang's module as the model builds it (bf16 weights), with a weight away from its initial ones."""
+    norm = cls(k, eps=EPS, **kwargs).to(device=DEVICE, dtype=torch.bfloat16)
+    norm.weight.data.copy_(rows(1, k, 8)[0] * 0.1)
+    return norm
 
 
 def _never(*args, **kwargs):
     raise AssertionError("SGLang's kernel ran for a marked module")
 
 
-def test_a_marked_norm_runs_the_quantizing_kernel_in_place_and_offers_its_rows():
-    norm, x, residual = _Norm(300), rows(4, 300, 9), rows(4, 300, 10)
-    handoff.mark(norm, True)
-    out, res = _norm_with_int8_output(_never, norm, x, residual)
+@pytest.mark.parametrize("gemma", [True, False], ids=["gemma", "plain"])
+def test_a_marked_norm_runs_the_quantizing_kernel_in_place_and_offers_its_rows(gemma):
+    from sglang.srt.layers.layernorm import GemmaRMSNorm, RMSNorm
+
+    norm, x, residual = _norm(GemmaRMSNorm if gemma else RMSNorm, 300), rows(4, 300, 9), rows(4, 300, 10)
+    handoff.mark(norm, True, 300)
+    x0, r0 = x.clone(), residual.clone()
+    out, res = _rms_norm(gemma)(_never, norm, x, residual)
     assert out is x and res is residual  # in place, as SGLang's fused add-norm
+    assert within_ulp(out, norm_reference(x0, r0, norm.weight.data, gemma)[0])  # the module's own kind of norm
     q, scale = handoff.take(out)
     assert torch.equal(q.cpu(), quant_reference(out.cpu())[0])
-    alone = _norm_with_int8_output(_never, norm, rows(4, 300, 12))  # the first layer's norm: no residual
+    alone = _rms_norm(gemma)(_never, norm, rows(4, 300, 12))  # the first layer's norm: no residual
     assert handoff.take(alone)[0] is not None
 
 
+def _gated_norm(head_dim, **kwargs):
+    from sglang.kernels.ops.attention.fla.layernorm_gated import RMSNorm as RMSNormGated
+
+    norm = RMSNormGated(head_dim, eps=EPS, group_size=None, norm_before_gate=True, device=DEVICE,
+                        dtype=torch.bfloat16, **kwargs)
+    norm.weight.data.copy_(rows(1, head_dim, 19)[0])
+    return norm
+
+
+def test_a_marked_gated_norm_offers_each_tokens_row_as_the_projection_reads_it():
+    """As SGLang's Gated-DeltaNet calls it: rows of one head in, the output reshaped to a token's heads for out_proj,
+    which must find the rows though it is another view."""
+    tokens, heads, head_dim = 3, 4, 32
+    norm = _gated_norm(head_dim)
+    handoff.mark(norm, True, heads * head_dim)
+    x, z = rows(tokens * heads, head_dim, 20), rows(tokens * heads, head_dim, 21)
+    out = _gated_norm_with_int8_output(_never, norm, x, z)
+    assert within_ulp(out, gated_reference(x, z, norm.weight.data), ulps=3)
+    projection_input = out.reshape(tokens, heads, head_dim).reshape(tokens, -1)
+    q, scale = handoff.take(projection_input)
+    assert torch.equal(q.cpu(), quant_reference(projection_input.cpu())[0])
+    assert handoff.take(out) == (None, None)  # rows of one head are not what was quantized
+
+
+@pytest.mark.parametrize("case", ["unmarked", "no gate", "sigmoid gate", "heads not a power of two"])
+def test_a_gated_norm_the_kernel_does_not_cover_keeps_sglangs(case):
+    heads = 3 if case == "heads not a power of two" else 4
+    norm = _gated_norm(32, **({"activation": "sigmoid"} if case == "sigmoid gate" else {}))
+    handoff.mark(norm, case != "unmarked", heads * 32)
+    x = rows(2 * heads, 32, 22)
+    z = None if case == "no gate" else rows(2 * heads, 32, 23)
+    assert _gated_norm_with_int8_output(lambda *a: "sglang", norm, x, z) == "sglang"
+
+
 def test_an_unmarked_module_keeps_sglangs_kernel():
-    norm, act, x = _Norm(300), torch.nn.Module(), rows(4, 300, 13)
+    from sglang.srt.layers.layernorm import GemmaRMSNorm, RMSNorm
+
+    norm, act, x = _norm(GemmaRMSNorm, 300), torch.nn.Module(), rows(4, 300, 13)
     assert runs_w8a8(_Linear(16, 300, 14)) and not runs_w8a8(torch.nn.Linear(300, 16))
-    handoff.mark(norm, False)
+    handoff.mark(norm, False, 300)
     calls = []
-    _norm_with_int8_output(lambda *a: calls.append("norm") or a[1], norm, x, None)
+    _rms_norm(True)(lambda *a: calls.append("norm") or a[1], norm, x, None)
     _silu_mul_with_int8_output(lambda *a: calls.append("act") or a[1], act, x)
-    handoff.mark(norm, True)
-    _norm_with_int8_output(lambda *a: calls.append("norm+") or a[1], norm, x, None, x)  # post-residual addition
-    assert calls == ["norm", "act", "norm+"]
+    handoff.mark(norm, True, 300)
+    _rms_norm(True)(lambda *a: calls.append("norm+") or a[1], norm, x, None, x)  # post-residual addition
+    variant = RMSNorm(300, eps=EPS, cast_x_before_out_mul=True)  # a variant SGLang's forward treats apart
+    handoff.mark(variant, True, 300)
+    _rms_norm(False)(lambda *a: calls.append("variant") or a[1], variant, x, None)
+    assert calls == ["norm", "act", "norm+", "variant"]
 
 
 def test_a_marked_activation_offers_its_rows():
     act, x = torch.nn.Module(), rows(3, 2 * 96, 15)
-    handoff.mark(act, True)
+    handoff.mark(act, True, 96)
     out = _silu_mul_with_int8_output(_never, act, x)
     assert out.shape == (3, 96) and handoff.take(out)[0] is not None
+
+
+def _module(**children):
+    module = torch.nn.Module()
+    for name, child in children.items():
+        module.add_module(name, child)
+    return module
+
+
+def test_each_layers_producers_of_w8a8_input_are_marked_with_their_projections_row_width():
+    """The names of SGLang's layers: a target's Gated-DeltaNet layer and a DFlash drafter layer, whose QKV stays
+    bf16 (so its input norm keeps SGLang's kernel)."""
+    from qflash.server.models.qwen3_5_text import mark_int8_handoffs
+
+    def w8a8(n, k, row_parallel=False):
+        linear = _Linear(n, k, 0)
+        linear.input_size = k * (2 if row_parallel else 1)  # as a row-parallel linear's whole input on 2 ranks
+        if row_parallel:
+            linear.input_size_per_partition = k
+        return linear
+
+    gdn = _module(input_layernorm=torch.nn.Module(), post_attention_layernorm=torch.nn.Module(),
+                  linear_attn=_module(in_proj_qkvz=w8a8(96, 64), in_proj_ba=w8a8(8, 64), norm=torch.nn.Module(),
+                                      out_proj=w8a8(64, 128, row_parallel=True)),
+                  mlp=_module(gate_up_proj=w8a8(192, 64), act_fn=torch.nn.Module(), down_proj=w8a8(64, 96)))
+    drafter = _module(input_layernorm=torch.nn.Module(), post_attention_layernorm=torch.nn.Module(),
+                      self_attn=_module(qkv_proj=torch.nn.Linear(64, 96)),
+                      mlp=_module(gate_up_proj=w8a8(192, 64), act_fn=torch.nn.Module(), down_proj=w8a8(64, 96)))
+    assert mark_int8_handoffs([gdn, drafter]) == 4 + 2
+    marks = {(layer, name): (getattr(module, handoff.MARK), getattr(module, handoff.ROW_WIDTH))
+             for layer, model in (("gdn", gdn), ("drafter", drafter)) for name, module in model.named_modules()
+             if hasattr(module, handoff.MARK)}
+    assert marks == {("gdn", "input_layernorm"): (True, 64), ("gdn", "post_attention_layernorm"): (True, 64),
+                     ("gdn", "mlp.act_fn"): (True, 96), ("gdn", "linear_attn.norm"): (True, 128),
+                     ("drafter", "input_layernorm"): (False, 0), ("drafter", "post_attention_layernorm"): (True, 64),
+                     ("drafter", "mlp.act_fn"): (True, 96)}

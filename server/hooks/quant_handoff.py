@@ -1,13 +1,14 @@
 """The norms and SiLU-and-multiply that feed qflash's W8A8 projections, on kernels that also quantize their output.
 
-SGLang 0.5.17 runs GemmaRMSNorm (with its residual add) and SiluAndMul on its CUDA kernels, and qflash's W8A8
-GEMM then quantizes each output per token in a launch of its own: 120 of a cycle's 170 quantizations follow one
-of these. For a module qflash's model class marked (quant/handoff.py `mark`), the CUDA forward runs qflash's
-kernel that writes the same output and its int8 rows in one launch, and hands the rows to the projections.
-Unmarked modules (the final norm, the drafter's) and calls the fused kernels do not cover keep SGLang's path.
-Hooked on the class's `forward_cuda`, which each instance binds as its forward when SGLang builds the model.
-Retire when SGLang's norms and activations hand a quantized output to int8 W8A8 linears on CUDA, as its
-fused allreduce-norm-quant path does for fp8 linears on ROCm (`_linear_accepts_fp8_tuple`).
+SGLang 0.5.17 runs RMSNorm and GemmaRMSNorm (with their residual add) and SiluAndMul on its CUDA kernels, and
+Gated-DeltaNet's gated output norm on FLA's Triton kernel; qflash's W8A8 GEMM then quantizes each output per
+token in a launch of its own: 156 of a cycle's 170 quantizations follow one of these. For a module qflash's model
+classes marked (quant/handoff.py `mark`), the forward runs qflash's kernel that writes the same output and its
+int8 rows in one launch, and hands the rows to the projections. Unmarked modules (the final norms, the drafter's
+input norms before its bf16 QKV) and calls the fused kernels do not cover keep SGLang's path. Hooked on each
+class's `forward_cuda` (which each instance binds as its forward when SGLang builds the model), the gated norm's
+`forward`. Retire when SGLang's norms and activations hand a quantized output to int8 W8A8 linears on CUDA, as
+its fused allreduce-norm-quant path does for fp8 linears on ROCm (`_linear_accepts_fp8_tuple`).
 """
 
 import torch
@@ -16,16 +17,38 @@ from qflash.quant import handoff
 from qflash.server.hooks import Hook
 
 
-def _norm_with_int8_output(original, self, x, residual=None, post_residual_addition=None):
-    if post_residual_addition is not None or not handoff.wanted(self, x) or (residual is not None
-                                                                           and residual.stride(-1) != 1):
-        return original(self, x, residual, post_residual_addition)
-    from qflash.kernels.norm_quant import gemma_norm_quant
+def _norm_variant(norm: torch.nn.Module) -> bool:
+    """Whether an RMSNorm is built as one of the variants its CUDA forward treats apart (the kernel has none)."""
+    return (getattr(norm, "variance_size_override", None) is not None or getattr(norm, "cast_x_before_out_mul", False)
+            or getattr(norm, "fp32_residual", False))
 
-    out = torch.empty_like(x) if residual is None else x  # SGLang's kernel: out of place alone, else in place
-    x_q, x_scale = gemma_norm_quant(x, residual, self.weight.data, self.variance_epsilon, out)
-    handoff.offer(out, x_q, x_scale)
-    return out if residual is None else (out, residual)
+
+def _rms_norm(gemma: bool):
+    def with_int8_output(original, self, x, residual=None, post_residual_addition=None):
+        if (post_residual_addition is not None or not handoff.wanted(self, x) or _norm_variant(self)
+                or (residual is not None and residual.stride(-1) != 1)):
+            return original(self, x, residual, post_residual_addition)
+        from qflash.kernels.norm_quant import rms_norm_quant
+
+        out = torch.empty_like(x) if residual is None else x  # SGLang's kernels: out of place alone, else in place
+        x_q, x_scale = rms_norm_quant(x, residual, self.weight.data, self.variance_epsilon, out, gemma)
+        handoff.offer(out, x_q, x_scale)
+        return out if residual is None else (out, residual)
+
+    return with_int8_output
+
+
+def _gated_norm_with_int8_output(original, self, x, z=None):
+    from qflash.kernels import gated_norm_quant
+
+    row_width = getattr(self, handoff.ROW_WIDTH, None)
+    if (z is None or not handoff.wanted(self, x) or self.bias is not None or self.group_size is not None
+            or not self.norm_before_gate or self.activation not in ("swish", "silu")
+            or not gated_norm_quant.takes(x, z, row_width)):
+        return original(self, x, z)
+    out, x_q, x_scale = gated_norm_quant.gated_norm_quant(x, z, self.weight.data, self.eps, row_width)
+    handoff.offer(out.view(x_q.shape), x_q, x_scale)  # as the projection reads it: a token's heads in one row
+    return out
 
 
 def _silu_mul_with_int8_output(original, self, x):
@@ -39,6 +62,8 @@ def _silu_mul_with_int8_output(original, self, x):
 
 
 CHANGES = [
-    Hook("sglang.srt.layers.layernorm.GemmaRMSNorm.forward_cuda", _norm_with_int8_output, "AROUND"),
+    Hook("sglang.srt.layers.layernorm.GemmaRMSNorm.forward_cuda", _rms_norm(gemma=True), "AROUND"),
+    Hook("sglang.srt.layers.layernorm.RMSNorm.forward_cuda", _rms_norm(gemma=False), "AROUND"),
+    Hook("sglang.kernels.ops.attention.fla.layernorm_gated.RMSNorm.forward", _gated_norm_with_int8_output, "AROUND"),
     Hook("sglang.srt.layers.activation.SiluAndMul.forward_cuda", _silu_mul_with_int8_output, "AROUND"),
 ]

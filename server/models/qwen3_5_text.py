@@ -6,7 +6,7 @@ text-only Qwen3.5 (no vision tower, so no image processor) and adds what that cl
 `set_dflash_layers_to_capture`, loading the multimodal checkpoint's `model.language_model.*` names, and
 loading the lm_head's tensors besides its weight (the int8 head's `weight_scale`), which that class drops.
 Each layer's norms and SiLU-and-multiply are marked to hand their output's int8 rows to the W8A8 projections
-that read it (quant/handoff.py).
+that read it (quant/handoff.py), as are the drafter's (server/models/dflash_drafter.py).
 """
 
 import logging
@@ -21,12 +21,14 @@ from qflash.quant.layout import LM_HEAD, text_name
 from qflash.quant.method import runs_w8a8
 
 logger = logging.getLogger(__name__)
-HANDOFF_LOG = "qflash: {count} norms and activations hand their int8 rows to W8A8 projections"
-# A decoder layer's producers of projection input -> the projections that read it (either layer type's names).
+HANDOFF_LOG = "qflash: {model}: {count} norms and activations hand their int8 rows to W8A8 projections"
+# A decoder layer's producers of projection input -> the projections that read it (the names of either layer type
+# of the target and of the DFlash drafter's layers).
 INT8_HANDOFFS = {
     "input_layernorm": ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba", "qkv_proj"),
     "post_attention_layernorm": ("mlp.gate_up_proj",),
     "mlp.act_fn": ("mlp.down_proj",),
+    "linear_attn.norm": ("linear_attn.out_proj",),
 }
 
 
@@ -46,15 +48,24 @@ def _submodules(module: torch.nn.Module, names: tuple[str, ...]) -> list[torch.n
     return found
 
 
+def mark_int8_handoffs(layers: Iterable[torch.nn.Module]) -> int:
+    """Mark each layer's producers of a W8A8 projection's input (INT8_HANDOFFS); returns how many were marked."""
+    marked = 0
+    for layer in layers:
+        for producer, consumers in INT8_HANDOFFS.items():
+            linears = _submodules(layer, consumers)
+            for module in _submodules(layer, (producer,)):
+                width = getattr(linears[0], "input_size_per_partition", linears[0].input_size) if linears else 0
+                marked += handoff.mark(module, any(map(runs_w8a8, linears)), width)
+    return marked
+
+
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     def __init__(self, config, quant_config: Optional[QuantizationConfig] = None, prefix: str = ""):
         text_config = config.get_text_config()
         text_config.tie_word_embeddings = getattr(config, "tie_word_embeddings", text_config.tie_word_embeddings)
         super().__init__(text_config, quant_config=quant_config, prefix=prefix)
-        routed = sum(handoff.mark(module, any(map(runs_w8a8, _submodules(layer, consumers))))
-                     for layer in self.model.layers for producer, consumers in INT8_HANDOFFS.items()
-                     for module in _submodules(layer, (producer,)))
-        logger.info(HANDOFF_LOG.format(count=routed))
+        logger.info(HANDOFF_LOG.format(model="target", count=mark_int8_handoffs(self.model.layers)))
 
     def set_dflash_layers_to_capture(self, layer_ids: list[int]) -> None:
         """DFlash taps the output of target layer i, i.e. the input of layer i + 1 (as SGLang's VL class)."""
