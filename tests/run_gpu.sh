@@ -56,7 +56,7 @@ if [ "${TESTS:-}" != 0 ]; then
   fi
   # shellcheck disable=SC2086
   timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest ${TESTS:--m gpu tests} -v -s -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1 || status=1
-  grep -E "FAILED|ERROR|ready after|passed|failed|: 4[0-9][0-9] |losslessness|accept length|argmax =|stable checkpoint|drafter KV|soak:|^prompt [0-9]+:|qflash_tiny|hooks applied|refusing" "$OUT/gpu-tests.log"
+  grep -E "FAILED|ERROR|ready after|passed|failed|: 4[0-9][0-9] |losslessness|accept length|argmax =|stable checkpoint|drafter KV|soak:|^prompt [0-9]+:|qflash_tiny|hooks applied|refusing|deselected|no tests ran|prompts over cached" "$OUT/gpu-tests.log"
   pkill -f sglang.launch_server; sleep 3
   find /tmp/pytest-of-* "$QFLASH_CACHE/logs" \( -name '*.log' -o -name '*.out' \) -print0 2>/dev/null | tar czf "$OUT/server-logs.tgz" --null -T - 2>/dev/null
   pack
