@@ -210,7 +210,7 @@ def test_a_failed_capture_leaves_the_breakable_graphs(graphs, caplog):
 def prefill(bs=1, prefix=0, mode=ForwardMode.EXTEND, mm=None, tokens=CHUNK - 1, tracking=True):
     """A prefill runner's static batch; `tracking`: the radix cache's extra-buffer checkpoints are on (server args)."""
     return SimpleNamespace(batch_size=bs, forward_mode=mode, extend_prefix_lens_cpu=[prefix] * bs, mm_inputs=[mm] * bs,
-                           extend_seq_lens_cpu=[tokens] * bs, mamba_track_mask=None, tracking=tracking)
+                           extend_seq_lens_cpu=[tokens] * bs, tracking=tracking)
 
 
 @pytest.mark.parametrize("batch, whole", [(prefill(), True), (prefill(bs=2), False), (prefill(prefix=256), False),

@@ -3,8 +3,7 @@ is captured once more with its Gated-DeltaNet and attention layers in line, and 
 
 - capture: after SGLang captures a bucket's breakable graph (one holding prompts that `checkpointed` lets through),
   its body is captured again with the layers' eager breaks run where they stand (outside a breakable capture,
-  SGLang's break wrapper calls straight through). The
-  attention layers need nothing else: one request with nothing cached is plain causal attention over the bucket
+  SGLang's break wrapper calls straight through). The attention layers need nothing else: one request with nothing cached is plain causal attention over the bucket
   (kernels/flash_prefill.py decides so on the host, once), its K/V written at the runner's static slots (padding
   at slot 0, SGLang's dummy). The GDN layers' eager path reads lengths and state slots from host lists;
   `_gdn_extend` runs its kernels from the runner's static buffers on the device instead, with the bucket's padding
@@ -24,8 +23,9 @@ from qflash.server.hooks import Hook
 def _capture_whole_too(original, self, shape_key, forward_fn, *args, **kwargs):
     original(self, shape_key, forward_fn, *args, **kwargs)
     size = shape_key.size
-    if shape_key.variant_label is not None or not fresh_prefill.wanted(size) or not _serves_unchecked(size):
-        return
+    chunk = checkpoint_chunk()
+    if shape_key.variant_label is not None or not fresh_prefill.wanted(size) or chunk is not None and size > chunk:
+        return  # a bucket past one chunk holds only prompts that `checkpointed` keeps from a whole graph
 
     def body():  # the bucket's forward, its output where the breakable graph's replay leaves it
         out = forward_fn()
@@ -41,26 +41,24 @@ def plain_prompt(batch) -> bool:
             and list(batch.extend_prefix_lens_cpu or ()) == [0] and not any(batch.mm_inputs or ()))
 
 
-def _serves_unchecked(size: int) -> bool:
-    """Whether a bucket holds prompts whose prefill is not checkpointed (`checkpointed`), the only ones a whole graph
-    serves: every bucket without the radix cache's checkpoints, else those up to one chunk."""
+def checkpoint_chunk():
+    """The radix cache's checkpoint chunk: the scheduler checkpoints the GDN state of a prefill of at least that many
+    tokens (with its extra-buffer tracking on); None when it checkpoints no prefill."""
     from sglang.srt.runtime_context import get_server_args
 
     args = get_server_args()
-    return not args.enable_mamba_extra_buffer() or size <= args.mamba_cache_chunk_size
+    return args.mamba_cache_chunk_size if args.enable_mamba_extra_buffer() else None
 
 
 def checkpointed(batch) -> bool:
-    """Whether the radix cache checkpoints this prefill's GDN state: the scheduler's rule (its extra-buffer tracking
-    on, a prompt of at least one chunk). Such prompts keep the breakable graph, whose GDN layers copy the state at the
-    checkpoint. A whole graph cannot: with speculative decoding on, SGLang's prefill runner keeps no static buffers
-    for the tracking (`_is_mamba_track_enabled`), so the graph, captured from those, never writes the checkpoint that
-    the radix cache then serves (a request continuing the prompt by up to 32 tokens answered otherwise than on an
-    empty cache: BENCHMARKS.md, 2026-12-04, twenty-sixth session)."""
-    from sglang.srt.runtime_context import get_server_args
-
-    args = get_server_args()
-    return args.enable_mamba_extra_buffer() and batch.extend_seq_lens_cpu[0] >= args.mamba_cache_chunk_size
+    """Whether the radix cache checkpoints this prefill's GDN state (`checkpoint_chunk`). Such prompts keep the
+    breakable graph, whose GDN layers copy the state at the checkpoint. A whole graph cannot: with speculative
+    decoding on, SGLang's prefill runner keeps no static buffers for the tracking (`_is_mamba_track_enabled`), so
+    the graph, captured from those, never writes the checkpoint that the radix cache then serves (a request
+    continuing the prompt by up to 32 tokens answered otherwise than on an empty cache: BENCHMARKS.md, 2026-12-04,
+    twenty-sixth session)."""
+    chunk = checkpoint_chunk()
+    return chunk is not None and batch.extend_seq_lens_cpu[0] >= chunk
 
 
 def _replay_whole(original, self, shape_key, static_forward_batch, **kwargs):
