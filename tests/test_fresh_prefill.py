@@ -1,12 +1,15 @@
 """A fresh prompt's prefill as one CUDA graph (graphs/fresh_prefill.py, server/hooks/fresh_prefill.py) on the CPU.
 
+- The radix cache's checkpoint of a prompt, computed on the device, is SGLang's own (its extend metadata's host
+  arithmetic, run here on stand-ins) for every length around the 64-token chunks, tracked or not.
 - The GDN layer's in-line prefill (qflash's recurrent kernel in Triton's interpreter; SGLang's conv, split and
   gating as torch stand-ins that leave the padding unwritten, as the conv does) gives a prompt padded to its bucket
-  the output rows and states of the same prompt unpadded, and leaves every other slot alone.
+  the output rows, states and checkpoint of the same prompt unpadded; the checkpoint equals the state of the
+  prompt's first tokens up to it.
 - Capture and replay with a stand-in graph: which buckets are captured, the body run eagerly in line and then
-  captured, a failed capture leaving the breakable graphs, a replay only for one request with nothing cached whose
-  prefill the radix cache does not checkpoint (the whole graph writes no checkpoint: SGLang's prefill runner keeps
-  no tracking buffers under speculative decoding).
+  captured, a failed capture leaving the breakable graphs, a replay only for one request with nothing cached, the
+  live batch's tracking copied where the graph reads it before each replay (the runner's static batch has none
+  under speculative decoding).
 The whole graphs are checked against the breakable ones on the H200 (tests/test_fresh_prefill_gpu.py).
 """
 
@@ -16,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from sglang.srt.layers.attention import hybrid_linear_attn_backend as hybrid
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.runner.shape_key import ShapeKey
 
@@ -24,6 +28,44 @@ from qflash.graphs.policy import FRESH_PREFILL_MAX_TOKENS
 from qflash.server.hooks import fresh_prefill as hook
 
 CHUNK, CONV = 64, 3  # SGLang's mamba_cache_chunk_size (FLA's chunk, page size 1) and the conv state's width
+
+
+def sglang_checkpoint(length: int, tracked: bool, seqlen: int, slot: int, dst: int, monkeypatch):
+    """SGLang's extend metadata for one request with no prefix: (conv input positions, track slot) and
+    (h chunk, h slot, final-state source, final-state slot), [] where nothing is tracked."""
+    monkeypatch.setattr(hybrid, "get_server_args", lambda: SimpleNamespace(mamba_cache_chunk_size=CHUNK))
+    backend = SimpleNamespace(conv_states_shape=(8, 16, CONV), device="cpu")
+    batch = SimpleNamespace(mamba_track_seqlens=torch.tensor([seqlen]), extend_prefix_lens=torch.tensor([0]),
+                            mamba_track_mask=torch.tensor([tracked]), extend_seq_lens=torch.tensor([length]),
+                            mamba_track_indices=torch.tensor([dst]))
+    conv = hybrid.MambaAttnBackendBase._init_track_conv_indices(backend, torch.tensor([0, length]), batch)
+    ssm = hybrid.MambaAttnBackendBase._init_track_ssm_indices(backend, torch.tensor([slot]), batch)
+    return conv.tolist(), [t.tolist() for t in ssm]
+
+
+def plan(length: int, tracked: bool, seqlen: int, slot: int, dst: int):
+    return hook.track_plan(torch.tensor([length]), torch.tensor([tracked]), torch.tensor([dst]), torch.tensor([seqlen]),
+                           torch.tensor([slot], dtype=torch.int32), chunk=CHUNK, conv_len=CONV)
+
+
+@pytest.mark.parametrize("length", [1, 3, 5, 63, 64, 65, 100, 127, 128, 129, 250, 256, 1000, 2040, 2048])
+def test_the_checkpoint_is_sglangs(length, monkeypatch):
+    slot, dst = 5, 7
+    cases = [(False, -1)]  # SGLang's scheduler: untracked below one chunk (seqlen -1)
+    if length >= CHUNK:
+        aligned = length // CHUNK * CHUNK
+        cases += [(True, length), (True, aligned + 1)]  # the prompt's own length; a forced chunk state (_force_track_h)
+    for tracked, seqlen in cases:
+        conv, (h_src, h_dst, final_src, final_dst) = sglang_checkpoint(length, tracked, seqlen, slot, dst, monkeypatch)
+        got = plan(length, tracked, seqlen, slot, dst)
+        if not tracked:  # SGLang copies nothing; qflash rewrites the request's own slot with its own final state
+            assert conv == [] and h_src == final_src == [] and got.dst.tolist() == [slot] and got.final.tolist() == [True]
+            continue
+        assert got.conv_idx.tolist() == conv and got.dst.tolist() == [dst]
+        if final_src:
+            assert final_src == [slot] and final_dst == [dst] and got.final.tolist() == [True]
+        else:
+            assert h_dst == [dst] and got.final.tolist() == [False] and got.chunk_idx.tolist() == h_src
 
 
 # A small GDN layer: a key head, 2 value heads of 8 (the recurrent kernel's tile needs powers of two; the
@@ -72,24 +114,23 @@ def in_line(monkeypatch):
     monkeypatch.setattr(fresh_prefill, "_capture", SimpleNamespace(active=True, metadata=None, broken=False))
 
 
-def pools(slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The conv and recurrent state pools before a prefill: other requests' states in every slot but the fresh
-    request's, cleared before its prefill as SGLang's scheduler clears it."""
-    conv = torch.randn(SLOTS, DIM, CONV, generator=torch.Generator().manual_seed(1))
-    ssm = torch.randn(SLOTS, HV, V, K, generator=torch.Generator().manual_seed(2))
-    ssm[slot] = 0
-    return conv, ssm
-
-
-def gdn_prefill(prompt, a, b, layer, *, tokens, slot=2, seed=0):
+def gdn_prefill(prompt, a, b, layer, *, tokens, tracked, seqlen, slot=2, dst=4, seed=0):
     """One GDN layer's prefill of `prompt` ([n, DIM]) padded with noise to `tokens` rows; (output, pools)."""
     n = prompt.shape[0]
     gen = torch.Generator().manual_seed(seed)
     pad = lambda t: torch.cat([t, torch.randn(tokens - n, t.shape[1], generator=gen) * 100])  # padding rows: anything
-    conv, ssm = pools(slot)
+    conv = torch.randn(SLOTS, DIM, CONV, generator=torch.Generator().manual_seed(1))
+    ssm = torch.randn(SLOTS, HV, V, K, generator=torch.Generator().manual_seed(2))
+    ssm[slot] = 0  # a fresh request's slot, cleared before its prefill as SGLang's scheduler clears it
     pool = SimpleNamespace(mamba2_layer_cache=lambda layer_id: SimpleNamespace(conv=[conv], temporal=ssm),
                            get_mamba_indices=lambda rows: torch.tensor([slot], dtype=torch.int32)[rows])
     backend = SimpleNamespace(req_to_token_pool=pool, conv_states_shape=conv.shape, _translate_mamba_indices=lambda i: i)
+    untracked = tracked is None  # a server without prefix caching: the live batch has no tracking at all
+    live = SimpleNamespace(mamba_track_mask=None if untracked else torch.tensor([tracked]),
+                           mamba_track_indices=None if untracked else torch.tensor([dst]),
+                           mamba_track_seqlens=None if untracked else torch.tensor([seqlen]))
+    hook.load_track(live, hook.track_buffers(torch.device("cpu")))  # as before a replay
+    # the runner's static batch, as under speculative decoding: no tracking buffers
     batch = SimpleNamespace(extend_seq_lens=torch.tensor([n]), req_pool_indices=torch.tensor([0]),
                             mamba_track_mask=None, mamba_track_indices=None, mamba_track_seqlens=None)
     fresh_prefill._capture.metadata = None  # a new forward
@@ -107,16 +148,30 @@ def layer_and_prompt(n: int):
 
 
 @pytest.mark.parametrize("n, bucket", [(5, 16), (100, 112), (130, 144)])
-def test_a_padded_prompt_prefills_as_the_prompt_alone_in_its_own_slot(in_line, n, bucket):
+@pytest.mark.parametrize("tracked", [None, False, True])
+def test_a_padded_prompt_prefills_as_the_prompt_alone(in_line, n, bucket, tracked):
+    if tracked and n < CHUNK:
+        pytest.skip("SGLang tracks from one chunk on")
     layer, prompt, a, b = layer_and_prompt(n)
-    alone, conv, ssm = gdn_prefill(prompt, a, b, layer, tokens=n)
-    padded, conv_p, ssm_p = gdn_prefill(prompt, a, b, layer, tokens=bucket)
+    seqlen = n if tracked else -1
+    alone, conv, ssm = gdn_prefill(prompt, a, b, layer, tokens=n, tracked=tracked, seqlen=seqlen)
+    padded, conv_p, ssm_p = gdn_prefill(prompt, a, b, layer, tokens=bucket, tracked=tracked, seqlen=seqlen)
     assert torch.equal(padded[:, :n], alone) and not padded[:, n:].any()
-    assert torch.equal(conv_p, conv) and torch.equal(ssm_p, ssm)
-    before_conv, before_ssm = pools(2)
-    others = [i for i in range(SLOTS) if i != 2]
-    assert torch.equal(conv[others], before_conv[others]) and torch.equal(ssm[others], before_ssm[others])
-    assert not torch.equal(conv[2], before_conv[2]) and ssm[2].any()  # the request's slot (2) holds its states
+    assert torch.equal(conv_p, conv) and torch.equal(ssm_p, ssm)  # every slot: the request's, the track slot, others
+
+
+@pytest.mark.parametrize("n", [100, 128])
+def test_the_checkpoint_holds_the_state_of_the_prompts_first_chunks(in_line, n):
+    layer, prompt, a, b = layer_and_prompt(n)
+    untouched_conv, untouched_ssm = gdn_prefill(prompt, a, b, layer, tokens=n, tracked=False, seqlen=-1)[1:]
+    _, conv, ssm = gdn_prefill(prompt, a, b, layer, tokens=n + 14, tracked=True, seqlen=n, dst=4)
+    aligned = n // CHUNK * CHUNK
+    _, conv_head, ssm_head = gdn_prefill(prompt[:aligned], a[:aligned], b[:aligned], layer, tokens=aligned,
+                                         tracked=False, seqlen=-1)
+    torch.testing.assert_close(ssm[4], ssm_head[2], rtol=0, atol=0)  # the slot-2 final state of the first `aligned`
+    torch.testing.assert_close(conv[4], conv_head[2], rtol=0, atol=0)
+    others = [i for i in range(SLOTS) if i != 4]
+    assert torch.equal(conv[others], untouched_conv[others]) and torch.equal(ssm[others], untouched_ssm[others])
 
 
 class StandInGraph:
@@ -154,14 +209,8 @@ class Backend:
         self.copies.append((out, buffer, rows, fresh_prefill.capturing()))
 
 
-def server_args(checkpoints: bool) -> SimpleNamespace:
-    """SGLang's server arguments as the hooks read them: whether the radix cache checkpoints GDN states."""
-    return SimpleNamespace(mamba_cache_chunk_size=CHUNK, enable_mamba_extra_buffer=lambda: checkpoints)
-
-
 @pytest.fixture
 def graphs(monkeypatch):
-    monkeypatch.setattr("sglang.srt.runtime_context.get_server_args", lambda: server_args(False))
     monkeypatch.setattr(torch.cuda, "CUDAGraph", StandInGraph)
     monkeypatch.setattr(fresh_prefill, "GRAPHS", {})
     monkeypatch.setattr(fresh_prefill, "_REPLAYED", set())
@@ -189,14 +238,6 @@ def test_buckets_up_to_the_limit_are_captured_whole_after_sglangs_own(graphs):
     assert not fresh_prefill.capturing()
 
 
-def test_with_the_radix_cache_checkpointing_only_buckets_up_to_one_chunk_are_captured_whole(graphs, monkeypatch):
-    monkeypatch.setattr("sglang.srt.runtime_context.get_server_args", lambda: server_args(True))
-    backend = Backend()
-    for size in (16, CHUNK, CHUNK + 16, FRESH_PREFILL_MAX_TOKENS):
-        capture(backend, ShapeKey(size=size))
-    assert set(fresh_prefill.GRAPHS) == {(id(backend), 16), (id(backend), CHUNK)}
-
-
 def test_a_failed_capture_leaves_the_breakable_graphs(graphs, caplog):
     StandInGraph.fail = True
     with caplog.at_level(logging.WARNING):
@@ -207,20 +248,14 @@ def test_a_failed_capture_leaves_the_breakable_graphs(graphs, caplog):
     assert len(StandInGraph.made) == 1 and not fresh_prefill.wanted(16)
 
 
-def prefill(bs=1, prefix=0, mode=ForwardMode.EXTEND, mm=None, tokens=CHUNK - 1, tracking=True):
-    """A prefill runner's static batch; `tracking`: the radix cache's extra-buffer checkpoints are on (server args)."""
+def prefill(bs=1, prefix=0, mode=ForwardMode.EXTEND, mm=None):
     return SimpleNamespace(batch_size=bs, forward_mode=mode, extend_prefix_lens_cpu=[prefix] * bs, mm_inputs=[mm] * bs,
-                           extend_seq_lens_cpu=[tokens] * bs, tracking=tracking)
+                           input_ids=torch.zeros(64, dtype=torch.long))
 
 
 @pytest.mark.parametrize("batch, whole", [(prefill(), True), (prefill(bs=2), False), (prefill(prefix=256), False),
-                                          (prefill(mode=ForwardMode.TARGET_VERIFY), False), (prefill(mm="an image"), False),
-                                          (prefill(tokens=CHUNK), False), (prefill(tokens=2000, tracking=False), True)],
-                         ids=["plain", "batch", "cached", "verify", "image", "checkpointed", "no-radix-cache"])
-def test_only_one_request_with_nothing_cached_and_no_checkpoint_replays_the_whole_graph(graphs, batch, whole, monkeypatch):
-    """The static batch has no tracking buffers under speculative decoding (mamba_track_mask None): the server's
-    arguments say whether the scheduler checkpoints."""
-    monkeypatch.setattr("sglang.srt.runtime_context.get_server_args", lambda: server_args(batch.tracking))
+                                          (prefill(mode=ForwardMode.TARGET_VERIFY), False), (prefill(mm="an image"), False)])
+def test_only_one_request_with_nothing_cached_replays_the_whole_graph(graphs, batch, whole):
     backend, key = Backend(), ShapeKey(size=64)
     capture(backend, key)
     backend._outputs[key] = "the bucket's output"
@@ -230,6 +265,29 @@ def test_only_one_request_with_nothing_cached_and_no_checkpoint_replays_the_whol
     assert (got, graph.replays, len(sglang)) == (("the bucket's output", 1, 0) if whole else ("breakable", 0, 1))
 
 
+def live_batch(tracked: bool, index: int = 7, seqlen: int = 100) -> SimpleNamespace:
+    return SimpleNamespace(mamba_track_mask=torch.tensor([tracked]), mamba_track_indices=torch.tensor([index]),
+                           mamba_track_seqlens=torch.tensor([seqlen]))
+
+
+def test_each_replay_first_copies_the_live_batchs_tracking_where_the_graph_reads_it(graphs):
+    backend, key = Backend(), ShapeKey(size=64)
+    capture(backend, key)
+    backend._outputs[key] = "the bucket's output"
+    buffers = hook.track_buffers(torch.device("cpu"))
+
+    def execute(runner, forward_batch):  # the prefill runner's execute, down to the breakable backend's replay
+        return hook._replay_whole(lambda *args: "breakable", backend, key, prefill())
+
+    for live, expected in [(live_batch(True), ([True], [7], [100])), (live_batch(False, 3, 5), ([False], [3], [5]))]:
+        assert hook._remember_live_batch(execute, "runner", live) == "the bucket's output"
+        assert (buffers.mask.tolist(), buffers.index.tolist(), buffers.seqlen.tolist()) == expected
+    no_cache = SimpleNamespace(mamba_track_mask=None, mamba_track_indices=None, mamba_track_seqlens=None)
+    hook._remember_live_batch(execute, "runner", live_batch(True))
+    hook._remember_live_batch(execute, "runner", no_cache)
+    assert buffers.mask.tolist() == [False] and hook._live.batch is None  # the runner's batch is let go after
+
+
 def test_the_switch_replays_the_breakable_graph(graphs, caplog):
     capture(Backend(), ShapeKey(size=64))
     key = next(iter(fresh_prefill.GRAPHS))
@@ -237,21 +295,3 @@ def test_the_switch_replays_the_breakable_graph(graphs, caplog):
         assert fresh_prefill.replay(key) and not fresh_prefill.replay(key, graphed=False) and fresh_prefill.replay(key)
     assert StandInGraph.made[0].replays == 2
     assert caplog.text.count("prefill replayed whole for bucket 64") == 1  # each bucket's first replay
-
-
-def test_sglangs_prefill_runner_keeps_no_tracking_buffers_under_speculative_decoding():
-    """Why a whole graph cannot checkpoint (server/hooks/fresh_prefill.py `checkpointed`): it is captured from the
-    prefill runner's static batch, which has no tracking fields when a speculative algorithm runs; and the server
-    arguments `checkpointed` reads instead exist."""
-    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
-    from sglang.srt.server_args import ServerArgs
-
-    def runner(spec_none: bool):
-        args = SimpleNamespace(enable_mamba_extra_buffer=lambda: True, disable_radix_cache=False)
-        return SimpleNamespace(model_runner=SimpleNamespace(server_args=args, spec_algorithm=SimpleNamespace(
-            is_none=lambda: spec_none)))
-
-    assert PrefillCudaGraphRunner._is_mamba_track_enabled(runner(spec_none=True))
-    assert not PrefillCudaGraphRunner._is_mamba_track_enabled(runner(spec_none=False))
-    assert callable(ServerArgs.enable_mamba_extra_buffer)
-    assert isinstance(ServerArgs.mamba_cache_chunk_size, property)
