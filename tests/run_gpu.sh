@@ -6,9 +6,9 @@
 #   EVAL_DEPS=1            install lm-eval offline for tests/test_eval_gpu.py (carry .gpu-eval too:
 #                          tests/fetch_eval_deps.sh makes it here, 15.3 MiB)
 #   BENCH_KERNELS=1        qflash bench-kernels $BENCH_KERNELS_ARGS (e.g. --skip-gemms)
-#   AB_TREE=.ab            qflash bench --systems qflash $AB_ARGS from another tree, then from the checkout, on one
-#                          machine (a diagnostic: no stock row). Make it with `git archive REF | tar -x -C .ab`
-#                          (git-ignored) and carry it too. AB_FIRST=checkout runs the checkout first: the second
+#   AB_TREE=.ab            qflash bench --systems qflash $AB_ARGS from another tree (or several: AB_TREE=.ab,.ab2),
+#                          then from the checkout, on one machine (a diagnostic: no stock row). Make it with
+#                          `git archive REF | tar -x -C .ab` (git-ignored) and carry it too. AB_FIRST=checkout runs the checkout first: the second
 #                          server started on a lent machine has run slower (BENCHMARKS.md, 2026-12-04), so alternate
 #   BENCH=sys1,sys2,...    qflash bench --systems ... $BENCH_ARGS (e.g. BENCH_ARGS="--profile-steps 0")
 #   SWITCH_AB=sw1,sw2      tests/switch_ab.py --switches ... $SWITCH_AB_ARGS: the test plugin's run-time switches
@@ -70,10 +70,11 @@ if [ "${BENCH_KERNELS:-0}" = 1 ]; then
 fi
 
 if [ -n "${AB_TREE:-}" ]; then
-  order=("$AB_TREE" .)
-  [ "${AB_FIRST:-ref}" = checkout ] && order=(. "$AB_TREE")
+  read -ra refs <<< "${AB_TREE//,/ }"
+  order=("${refs[@]}" .)
+  [ "${AB_FIRST:-ref}" = checkout ] && order=(. "${refs[@]}")
   for tree in "${order[@]}"; do
-    side=$([ "$tree" = . ] && echo checkout || echo ref)
+    side=$([ "$tree" = . ] && echo checkout || echo "ref-${tree#.}")
     python3 -m pip install -q --no-deps --no-build-isolation -e "$tree" || exit 1
     # shellcheck disable=SC2086
     timeout "${AB_TIMEOUT:-250}" python3 -m qflash.server.cli bench --systems qflash --out "/tmp/ab-$side" ${AB_ARGS:-} \
