@@ -8,8 +8,9 @@
 #   BENCH_KERNELS=1        qflash bench-kernels $BENCH_KERNELS_ARGS (e.g. --skip-gemms)
 #   AB_TREE=.ab            qflash bench --systems qflash $AB_ARGS from another tree (or several: AB_TREE=.ab,.ab2),
 #                          then from the checkout, on one machine (a diagnostic: no stock row). Make it with
-#                          `git archive REF | tar -x -C .ab` (git-ignored) and carry it too. AB_FIRST=checkout runs the checkout first: the second
-#                          server started on a lent machine has run slower (BENCHMARKS.md, 2026-12-04), so alternate
+#                          `git archive REF | tar -x -C .ab` (git-ignored) and carry it too. AB_FIRST=checkout runs
+#                          the checkout first: the second server started on a lent machine has run slower
+#                          (BENCHMARKS.md, 2026-12-04), so alternate
 #   BENCH=sys1,sys2,...    qflash bench --systems ... $BENCH_ARGS (e.g. BENCH_ARGS="--profile-steps 0")
 #   SWITCH_AB=sw1,sw2      tests/switch_ab.py --switches ... $SWITCH_AB_ARGS: the test plugin's run-time switches
 #                          (one_cycle_per_step, plan_stream_off, ...) against the default, on one server
