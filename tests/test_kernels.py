@@ -243,16 +243,25 @@ def test_bench_kernels_table_renders():
     assert "SGLang int8 1200 us, qflash 800 us (1.50x)" in table
 
 
-def compile_for_sm90(kernel, pointers: dict, config: dict):
+SM90_SHARED_MEMORY = 232448  # bytes of shared memory one program may hold on an H200
+
+
+def compile_for_sm90(kernel, pointers: dict, config: dict, divisible=()):
     """Compile a kernel for an H200 (sm90) without a GPU, as it is served there (programmatic dependent launch on):
-    Triton's front end, ptxas included."""
+    Triton's front end, ptxas included. Pointers and the integers named in `divisible` are multiples of 16, as Triton
+    specializes them when serving (without that it neither vectorizes nor pipelines the loads, and the shared memory
+    of the pipeline's stages goes unchecked); the program must fit the H200's shared memory."""
     fn = JITFunction(getattr(kernel, "fn", kernel))  # under the interpreter the kernel wraps the Python function
     launch = {"num_warps", "num_stages"}
     constexprs = {k: v for k, v in config.items() if k not in launch} | {"PDL": True}
     signature = {a: "constexpr" if a in constexprs else pointers.get(a, "i32") for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if a in divisible or signature[a].startswith("*")}
     options = {k: v for k, v in config.items() if k in launch} | {"enable_fp_fusion": False, "launch_pdl": True}
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                          target=GPUTarget("cuda", 90, 32), options=options)
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    assert compiled.metadata.shared <= SM90_SHARED_MEMORY, (fn.__name__, config, compiled.metadata.shared)
+    return compiled
 
 
 def distinct(configs):
@@ -264,10 +273,12 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
     scales = {"x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*i8", "y_ptr": "*bf16",
               "ws_ptr": "*i32", "count_ptr": "*i32"}
     done = []
+    gemm_ints = ("N", "K", "stride_xm", "stride_wn", "stride_ym")  # multiples of 16 at every served shape
     split_k = dict(w8a8_gemm.DEFAULT_DECODE, QUANT_X=False, SPLIT_K=4)  # the atomic split-K path compiles too
     for config in distinct([*w8a8_gemm.CONFIGS.values(), w8a8_gemm.DEFAULT_DECODE, w8a8_gemm.DEFAULT_PREFILL, split_k]):
         pointers = {"x_ptr": "*bf16" if config["QUANT_X"] else "*i8", **scales}
-        kernel = compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, pointers, {"SPLIT_K": 1, **config, "HAS_BIAS": False})
+        kernel = compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, pointers, {"SPLIT_K": 1, **config, "HAS_BIAS": False},
+                                  gemm_ints)
         done.append(("w8a8_gemm", config, "wgmma" in kernel.asm["ptx"]))
     for k in sorted({k for _, _, k in shapes.TARGET + shapes.DRAFTER}):  # the quantization's rows, in registers
         config = per_token_quant.launch_config(k)
@@ -277,7 +288,7 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
     pointers = {"x_ptr": "*bf16", "max_ptr": "*fp32", "idx_ptr": "*i32", **scales}
     for module, kernel in ((w8a16_gemm, w8a16_gemm._w8a16_gemm_kernel), (w8a16_argmax, w8a16_argmax._w8a16_argmax_kernel)):
         for config in distinct([*module.CONFIGS.values(), module.DEFAULT]):
-            compiled = compile_for_sm90(kernel, pointers, {**config, "DOT_DTYPE": triton.language.bfloat16})
+            compiled = compile_for_sm90(kernel, pointers, {**config, "DOT_DTYPE": triton.language.bfloat16}, gemm_ints)
             done.append((module.__name__.split(".")[-1], config, "wgmma" in compiled.asm["ptx"]))
     pointers = {"q_ptr": "*bf16", "kbuf_ptr": "*bf16", "vbuf_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
                 "o_ptr": "*bf16", "kv_indptr": "*i32", "kv_indices": "*i64", "acc_ptr": "*fp32", "ml_ptr": "*fp32",
