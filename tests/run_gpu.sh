@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 checks, in one device call; results and logs land in $OUT. Steps, by variable:
-#   TUNE=1                 qflash tune (rewrites the kernel tables; copies them to $OUT)
+#   TUNE=1                 qflash tune $TUNE_ARGS (rewrites the kernel tables; copies them to $OUT; e.g.
+#                          TUNE_ARGS="--rows 16" retunes only the 16-row buckets, so the A/B below can follow it)
 #   TESTS="pytest args"    default "-m gpu tests" (all GPU tests); TESTS=0 skips
 #   STABLE=0               the tests need no stable-choice checkpoint (conftest.stable_checkpoint): not built
 #   EVAL_DEPS=1            install lm-eval offline for tests/test_eval_gpu.py (carry .gpu-eval too:
@@ -38,7 +39,8 @@ export QFLASH_CACHE=/tmp/qflash-cache PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
 if [ "${TUNE:-0}" = 1 ]; then
-  timeout "${TUNE_TIMEOUT:-330}" python3 -m qflash.server.cli tune > "$OUT/tune.log" 2>&1 || status=1
+  # shellcheck disable=SC2086
+  timeout "${TUNE_TIMEOUT:-330}" python3 -m qflash.server.cli tune ${TUNE_ARGS:-} > "$OUT/tune.log" 2>&1 || status=1
   grep -E "wrote|tuned in" "$OUT/tune.log"
   cp kernels/w8a8_gemm.py kernels/w8a16_gemm.py kernels/w8a16_argmax.py "$OUT/"
   pack

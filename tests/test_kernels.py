@@ -4,8 +4,10 @@ The interpreter truncates fp32 -> bf16 instead of rounding, so bf16 outputs are 
 (2^-7 relative) tolerance here; the GPU tests hold the real rounding to 2^-8.
 """
 
+import argparse
 import ast
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,6 +191,26 @@ def test_the_tuner_times_decode_gemms_in_a_chain_over_weights_that_outgrow_l2(mo
     tune.w8a8_timer(16, 2560, 9216)({"BLOCK_M": 16})
     tune.w8a8_timer(2048, 2560, 9216)({"BLOCK_M": 128})
     assert [(how, len(weights)) for how, weights in timed] == [("chain", timing.chain_calls(2560 * 9216)), ("cold", 1)]
+
+
+def test_tuning_some_row_buckets_keeps_the_tables_other_entries(monkeypatch):
+    from qflash.server.tools import tune
+
+    jobs, written = [], {}
+    monkeypatch.setattr(tune, "require_gpu", lambda: None)
+    monkeypatch.setattr(tune.torch.cuda, "get_device_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(tune.torch.cuda, "get_device_capability", lambda: (9, 0))
+    monkeypatch.setattr(tune, "w8a8_timer", lambda m, n, k: (m, n, k))
+    monkeypatch.setattr(tune, "int8_weight", lambda n, k: (None, None))
+    monkeypatch.setattr(tune.torch, "randn", lambda *shape, **kw: None)
+    monkeypatch.setattr(tune, "best_config", lambda timer, candidates: (jobs.append(timer) or {"new": True}, 1.0))
+    monkeypatch.setattr(tune, "write", lambda path, table, machine: written.update({Path(path).stem: table}))
+    assert tune.run(argparse.Namespace(rows=[16]), []) == 0
+    assert {timer[0] for timer in jobs if isinstance(timer, tuple)} == {16}  # (M, N, K) of the W8A8 shapes timed
+    for module in (w8a8_gemm, w8a16_gemm, w8a16_argmax):
+        table = written[Path(module.__file__).stem]
+        assert table.keys() >= module.CONFIGS.keys()
+        assert all((c == {"new": True}) == (key[1] == 16) for key, c in table.items())
 
 
 def test_shapes_follow_from_the_preset():

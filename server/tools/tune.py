@@ -69,10 +69,11 @@ def w8a8_timer(m: int, n: int, k: int):
     return lambda c: chain_us([functools.partial(w8a8_gemm.launch, x, w, w_scale, None, c) for w, w_scale in weights])
 
 
-def tune_w8a8() -> dict:
+def tune_w8a8(rows: tuple = DECODE_M + PREFILL_M) -> dict:
     table = {}
-    jobs = ([("verify", m, s) for m in DECODE_M for s in TARGET] + [("draft", m, s) for m in DECODE_M for s in DRAFTER]
-            + [("prefill", m, s) for m in PREFILL_M for s in TARGET + DRAFTER])
+    decode, prefill = [m for m in DECODE_M if m in rows], [m for m in PREFILL_M if m in rows]
+    jobs = ([("verify", m, s) for m in decode for s in TARGET] + [("draft", m, s) for m in decode for s in DRAFTER]
+            + [("prefill", m, s) for m in prefill for s in TARGET + DRAFTER])
     for phase, m, (name, n, k) in jobs:
         cfg, us = best_config(w8a8_timer(m, n, k), w8a8_candidates(m))
         table[(phase, m, n, k)] = cfg
@@ -80,11 +81,11 @@ def tune_w8a8() -> dict:
     return table
 
 
-def tune_lm_head(module, group: bool) -> dict:
+def tune_lm_head(module, group: bool, rows: tuple = DECODE_M) -> dict:
     table = {}
     name, n, k = LM_HEAD
     w, w_scale = int8_weight(n, k)
-    for m in DECODE_M:
+    for m in (m for m in DECODE_M if m in rows):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         cfg, us = best_config(lambda c: cold_us(lambda: module.launch(x, w, w_scale, c)), w8a16_candidates(m, group))
         table[("lm_head", m, n, k)] = cfg
@@ -111,16 +112,21 @@ def write(path: Path, table: dict, machine: str) -> None:
 
 
 def add_arguments(p) -> None:
-    pass
+    p.add_argument("--rows", type=int, nargs="+", choices=sorted(set(DECODE_M + PREFILL_M)),
+                   default=DECODE_M + PREFILL_M, metavar="M",
+                   help=f"the row buckets to tune (decode {DECODE_M}, prefill {PREFILL_M}; default all); "
+                        "the tables keep their other entries")
 
 
 def run(args, extra) -> int:
     require_gpu()
     machine = f"{torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))})"
     start = time.monotonic()
-    for module, tune in ((w8a8_gemm, tune_w8a8), (w8a16_gemm, lambda: tune_lm_head(w8a16_gemm, group=True)),
-                         (w8a16_argmax, lambda: tune_lm_head(w8a16_argmax, group=False))):
-        table = tune()
+    rows = tuple(args.rows)
+    for module, tune in ((w8a8_gemm, lambda: tune_w8a8(rows)),
+                         (w8a16_gemm, lambda: tune_lm_head(w8a16_gemm, True, rows)),
+                         (w8a16_argmax, lambda: tune_lm_head(w8a16_argmax, False, rows))):
+        table = {**module.CONFIGS, **tune()}  # the buckets not tuned keep their entries
         write(module.__file__, table, machine)  # each table as soon as it is done
         print(f"wrote {len(table)} configs to {module.__file__}", flush=True)
     print(f"tuned in {time.monotonic() - start:.0f} s")
