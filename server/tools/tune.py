@@ -69,7 +69,7 @@ def w8a8_timer(m: int, n: int, k: int):
     return lambda c: chain_us([functools.partial(w8a8_gemm.launch, x, w, w_scale, None, c) for w, w_scale in weights])
 
 
-def tune_w8a8(rows: tuple = DECODE_M + PREFILL_M) -> dict:
+def tune_w8a8(rows: tuple) -> dict:
     table = {}
     decode, prefill = [m for m in DECODE_M if m in rows], [m for m in PREFILL_M if m in rows]
     jobs = ([("verify", m, s) for m in decode for s in TARGET] + [("draft", m, s) for m in decode for s in DRAFTER]
@@ -81,7 +81,7 @@ def tune_w8a8(rows: tuple = DECODE_M + PREFILL_M) -> dict:
     return table
 
 
-def tune_lm_head(module, group: bool, rows: tuple = DECODE_M) -> dict:
+def tune_lm_head(module, group: bool, rows: tuple) -> dict:
     table = {}
     name, n, k = LM_HEAD
     w, w_scale = int8_weight(n, k)
