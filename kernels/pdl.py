@@ -4,8 +4,8 @@ At M = 16 a cycle's ~700 kernels are mostly latency: each waits for the one befo
 own launch and ramp. Launched with PDL, a kernel's programs may start while the previous kernel's last programs
 run; `enter` makes each wait (griddepcontrol.wait: the previous grid complete, its writes visible) before it
 touches memory, then lets the next kernel launch. Every qflash kernel calls `enter` first thing; a kernel of
-SGLang's launched after ours without PDL waits for ours as usual. Off in Triton's interpreter (no inline asm) and
-before sm90.
+SGLang's launched after ours without PDL waits for ours as usual. Weights, which no kernel writes while serving, may
+be loaded before `enter` (`load_weights`). Off in Triton's interpreter (no inline asm) and before sm90.
 """
 
 import functools
@@ -21,6 +21,12 @@ def enter(ON: tl.constexpr):
     if ON:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def load_weights(ptrs, mask):
+    """A load that may come before `enter`: of weights, which no kernel writes while serving."""
+    return tl.load(ptrs, mask=mask, other=0)
 
 
 @functools.cache

@@ -21,6 +21,16 @@ from qflash.kernels.tiles import grouped_tile, tile_offsets
 
 
 @triton.jit
+def _x_tile(x_rows, k, offs_k, mask_m, k_hi, x_inv, QUANT_X: tl.constexpr):
+    """x's int8 tile at K offset k (quantized here with QUANT_X)."""
+    x = tl.load(x_rows + (k + offs_k)[None, :], mask=mask_m[:, None] & (k + offs_k < k_hi)[None, :], other=0)
+    if QUANT_X:
+        q = x.to(tl.float32) * x_inv[:, None]
+        x = tl.where(q >= 0, q + 0.5, q - 0.5).to(tl.int8)
+    return x
+
+
+@triton.jit
 def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, ws_ptr, count_ptr, M, N, K,
                       stride_xm, stride_wn, stride_ym,
                       QUANT_X: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -32,6 +42,12 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, w
     offs_m, offs_n, offs_k, mask_m, mask_n = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     w_cols = w_ptr + offs_n[None, :] * stride_wn
+    k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    # The weights do not depend on the kernel before: the first tile's loads leave before the wait, while the kernel
+    # before runs (under PDL this one's programs sit resident meanwhile), instead of after it as the launch's ramp.
+    w = pdl.load_weights(w_cols + (k_lo + offs_k)[:, None], mask_n[None, :] & (k_lo + offs_k < k_hi)[:, None])
     pdl.enter(PDL)
 
     if QUANT_X:
@@ -44,18 +60,12 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, w
         x_inv = tl.div_rn(tl.full([BLOCK_M], 127.0, tl.float32), absmax)
     else:
         x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
+        x_inv = x_scale  # unread without QUANT_X
 
-    k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    k_lo = split * k_per_split
-    k_hi = tl.minimum(K, k_lo + k_per_split)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-    for k in range(k_lo, k_hi, BLOCK_K):
-        x = tl.load(x_rows + (k + offs_k)[None, :], mask=mask_m[:, None] & (k + offs_k < K)[None, :], other=0)
-        if QUANT_X:
-            q = x.to(tl.float32) * x_inv[:, None]
-            x = tl.where(q >= 0, q + 0.5, q - 0.5).to(tl.int8)
-        w = tl.load(w_cols + (k + offs_k)[:, None], mask=mask_n[None, :] & (k + offs_k < K)[:, None], other=0)
-        acc += tl.dot(x, w, out_dtype=tl.int32)
+    acc = tl.dot(_x_tile(x_rows, k_lo, offs_k, mask_m, k_hi, x_inv, QUANT_X), w, out_dtype=tl.int32)
+    for k in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        w = tl.load(w_cols + (k + offs_k)[:, None], mask=mask_n[None, :] & (k + offs_k < k_hi)[:, None], other=0)
+        acc += tl.dot(_x_tile(x_rows, k, offs_k, mask_m, k_hi, x_inv, QUANT_X), w, out_dtype=tl.int32)
 
     mask_y = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K > 1:

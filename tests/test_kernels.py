@@ -370,7 +370,7 @@ MEMORY_OPS = ("tl.load", "tl.store", "tl.atomic_")
 
 def test_every_kernel_waits_for_the_kernel_before_it_touches_memory():
     # Launched with PDL (kernels/pdl.py), a kernel may start before the previous one has finished: a load or store
-    # before `pdl.enter` would race with that kernel.
+    # before `pdl.enter` would race with that kernel (but for `pdl.load_weights`: no kernel writes weights).
     import importlib
     import inspect
     import pkgutil
