@@ -34,6 +34,13 @@ def _supported(device_index: int) -> bool:
     return os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+def multiprocessors(device: torch.device) -> int:
+    """The SMs a grid spreads over on `device` (0 off CUDA: no grid counts as one wave there)."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def options(device: torch.device) -> dict:
     """A qflash kernel's PDL launch keywords on `device`: the kernel's `PDL` constexpr and Triton's launch flag."""
     on = device.type == "cuda" and _supported(device.index if device.index is not None else torch.cuda.current_device())

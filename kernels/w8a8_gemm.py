@@ -35,7 +35,7 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, w
                       stride_xm, stride_wn, stride_ym,
                       QUANT_X: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
-                      PDL: tl.constexpr):
+                      EARLY_TILE: tl.constexpr, PDL: tl.constexpr):
     split = tl.program_id(0) % SPLIT_K
     pid = tl.program_id(0) // SPLIT_K
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -45,9 +45,10 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, w
     k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_lo = split * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
-    # The weights do not depend on the kernel before: the first tile's loads leave before the wait, while the kernel
-    # before runs (under PDL this one's programs sit resident meanwhile), instead of after it as the launch's ramp.
-    w = pdl.load_weights(w_cols + (k_lo + offs_k)[:, None], mask_n[None, :] & (k_lo + offs_k < k_hi)[:, None])
+    if EARLY_TILE:
+        # The weights do not depend on the kernel before: the first tile's loads leave before the wait, while the
+        # kernel before runs (under PDL this one's programs sit resident meanwhile), instead of opening the launch.
+        w = pdl.load_weights(w_cols + (k_lo + offs_k)[:, None], mask_n[None, :] & (k_lo + offs_k < k_hi)[:, None])
     pdl.enter(PDL)
 
     if QUANT_X:
@@ -62,8 +63,12 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, w
         x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
         x_inv = x_scale  # unread without QUANT_X
 
-    acc = tl.dot(_x_tile(x_rows, k_lo, offs_k, mask_m, k_hi, x_inv, QUANT_X), w, out_dtype=tl.int32)
-    for k in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+    if EARLY_TILE:
+        acc = tl.dot(_x_tile(x_rows, k_lo, offs_k, mask_m, k_hi, x_inv, QUANT_X), w, out_dtype=tl.int32)
+        k_lo += BLOCK_K
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    for k in range(k_lo, k_hi, BLOCK_K):
         w = tl.load(w_cols + (k + offs_k)[:, None], mask=mask_n[None, :] & (k + offs_k < k_hi)[:, None], other=0)
         acc += tl.dot(_x_tile(x_rows, k, offs_k, mask_m, k_hi, x_inv, QUANT_X), w, out_dtype=tl.int32)
 
@@ -120,7 +125,11 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
         x, x_scale = per_token_quant(x)
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
     ws, counts = split_k_buffers(x.device, M, N, tiles) if cfg["SPLIT_K"] > 1 else (y, y)
-    _w8a8_gemm_kernel[(tiles * cfg["SPLIT_K"],)](
+    programs = tiles * cfg["SPLIT_K"]
+    # Early first tiles pay in a grid of one wave (one program an SM at most); in a larger one the next grid's early
+    # programs load while this grid's last wave still streams, and slow it (BENCHMARKS.md, 2026-12-04).
+    cfg.setdefault("EARLY_TILE", programs <= pdl.multiprocessors(x.device))
+    _w8a8_gemm_kernel[(programs,)](
         x, w, x_scale, w_scale, w_scale if bias is None else bias, y, ws, counts, M, N, K, x.stride(0), w.stride(0),
         y.stride(0), QUANT_X=quant_x, HAS_BIAS=bias is not None, enable_fp_fusion=False,
         **pdl.options(x.device), **cfg)

@@ -28,7 +28,10 @@ W8A8_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, GROUP_M=1, QUANT_X=q, S
                 for q in (True, False)] + [
     dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=2),
     dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=1, QUANT_X=False, SPLIT_K=3, num_warps=4, num_stages=2)]
-W8A8_IDS = ["fused-quant", "separate-quant", "32x32x32-grouped", "split-k-3"]
+# the first weight tile loaded before the PDL wait (a grid of one wave on the GPU; off CUDA never by default)
+W8A8_CONFIGS += [dict(W8A8_CONFIGS[0], EARLY_TILE=True), dict(W8A8_CONFIGS[3], EARLY_TILE=True)]
+W8A8_IDS = ["fused-quant", "separate-quant", "32x32x32-grouped", "split-k-3", "fused-quant-early-tile",
+            "split-k-3-early-tile"]
 W8A16_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
 
 
@@ -85,11 +88,27 @@ def test_w8a8_scaled_output_within_bf16_rounding(config):
     assert y.dtype == torch.bfloat16 and rel_err(y.cpu(), ref) <= BF16_ULP + 1e-6
 
 
-def test_w8a8_fused_quantization_and_split_k_give_the_same_bits():
+def test_w8a8_fused_quantization_split_k_and_early_tiles_give_the_same_bits():
     x = torch.randn(20, 150, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(DEVICE)
     w, w_scale = int8_weight(48, 150)
-    fused, separate, _, split = (w8a8_gemm.launch(x, w, w_scale, None, c) for c in W8A8_CONFIGS)
-    assert torch.equal(fused, separate) and torch.equal(split, separate)
+    separate = w8a8_gemm.launch(x, w, w_scale, None, W8A8_CONFIGS[1])
+    assert all(torch.equal(w8a8_gemm.launch(x, w, w_scale, None, c), separate) for c in W8A8_CONFIGS)
+
+
+def test_the_first_weight_tile_goes_early_in_grids_of_one_wave(monkeypatch):
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append((grid[0], kwargs["EARLY_TILE"]))
+
+    monkeypatch.setattr(w8a8_gemm, "_w8a8_gemm_kernel", Recorder())
+    monkeypatch.setattr(w8a8_gemm.pdl, "multiprocessors", lambda device: 6)
+    x = torch.randn(16, 64).to(torch.bfloat16)
+    for n, split_k in ((48, 1), (96, 1), (112, 1), (48, 2), (48, 3)):
+        w, w_scale = torch.zeros(n, 64, dtype=torch.int8), torch.ones(n)
+        w8a8_gemm.launch(x, w, w_scale, None, dict(W8A8_CONFIGS[1], SPLIT_K=split_k))
+    assert launched == [(3, True), (6, True), (7, False), (6, True), (9, False)]
 
 
 def test_split_k_leaves_its_workspace_zeroed_for_the_next_call():
@@ -299,8 +318,9 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
     split_k = dict(w8a8_gemm.DEFAULT_DECODE, QUANT_X=False, SPLIT_K=4)  # the atomic split-K path compiles too
     for config in distinct([*w8a8_gemm.CONFIGS.values(), w8a8_gemm.DEFAULT_DECODE, w8a8_gemm.DEFAULT_PREFILL, split_k]):
         pointers = {"x_ptr": "*bf16" if config["QUANT_X"] else "*i8", **scales}
-        kernel = compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, pointers, {"SPLIT_K": 1, **config, "HAS_BIAS": False},
-                                  gemm_ints)
+        for early in (False, True):  # the first weight tile after or before the PDL wait (by the grid, as served)
+            kernel = compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, pointers,
+                                      {"SPLIT_K": 1, **config, "HAS_BIAS": False, "EARLY_TILE": early}, gemm_ints)
         done.append(("w8a8_gemm", config, "wgmma" in kernel.asm["ptx"]))
     for k in sorted({k for _, _, k in shapes.TARGET + shapes.DRAFTER}):  # the quantization's rows, in registers
         config = per_token_quant.launch_config(k)
