@@ -2,7 +2,8 @@
 # Everything the H200 checks, in one device call; results and logs land in $OUT. Steps, by variable:
 #   TUNE=1                 qflash tune $TUNE_ARGS (rewrites the kernel tables; copies them to $OUT; e.g.
 #                          TUNE_ARGS="--rows 16" retunes only the 16-row buckets, so the A/B below can follow it)
-#   TESTS="pytest args"    default "-m gpu tests" (all GPU tests); TESTS=0 skips
+#   TESTS="pytest args"    default "-m gpu tests" (all GPU tests); TESTS=0 skips. Parsed as shell words, so a
+#                          quoted -k works: TESTS="tests/test_kernels_gpu.py -k 'w8a8 and not prefill'"
 #   STABLE=0               the tests need no stable-choice checkpoint (conftest.stable_checkpoint): not built
 #   EVAL_DEPS=1            install lm-eval offline for tests/test_eval_gpu.py (carry .gpu-eval too:
 #                          tests/fetch_eval_deps.sh makes it here, 15.3 MiB)
@@ -57,8 +58,8 @@ if [ "${TESTS:-}" != 0 ]; then
     (cd tests && python3 -c "from conftest import stable_checkpoint; stable_checkpoint()") > "$OUT/make-dummy.log" 2>&1 || status=1
     echo "make-dummy --stable: $((SECONDS - start)) s"
   fi
-  # shellcheck disable=SC2086
-  timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest ${TESTS:--m gpu tests} -v -s -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1 || status=1
+  eval "pytest_args=(${TESTS:--m gpu tests})"
+  timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest "${pytest_args[@]}" -v -s -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1 || status=1
   grep -E "FAILED|ERROR|ready after|passed|failed|: 4[0-9][0-9] |losslessness|accept length|argmax =|stable checkpoint|drafter KV|soak:|^prompt [0-9]+:|qflash_tiny|hooks applied|refusing|deselected|no tests ran|prompts over cached" "$OUT/gpu-tests.log"
   pkill -f sglang.launch_server; sleep 3
   find /tmp/pytest-of-* "$QFLASH_CACHE/logs" \( -name '*.log' -o -name '*.out' \) -print0 2>/dev/null | tar czf "$OUT/server-logs.tgz" --null -T - 2>/dev/null
