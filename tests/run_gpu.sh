@@ -86,6 +86,7 @@ if [ -n "${AB_TREE:-}" ]; then
     tail -n 8 "/tmp/ab-$side/results.md"
     cp "/tmp/ab-$side/run.json" "$OUT/ab-$side.json" 2>/dev/null
     for f in /tmp/ab-"$side"/profiles/*.md; do [ -e "$f" ] && cp "$f" "$OUT/ab-$side-$(basename "$f")"; done
+    pack  # each tree's results survive a call that the device's time limit stops during the next
   done
 fi
 
