@@ -29,19 +29,26 @@ def load_weights(ptrs, mask):
     return tl.load(ptrs, mask=mask, other=0)
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.cache
 def _supported(device_index: int) -> bool:
     return os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def multiprocessors(device: torch.device) -> int:
     """The SMs a grid spreads over on `device` (0 off CUDA: no grid counts as one wave there)."""
-    if device.type != "cuda":
-        return 0
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _multiprocessors(_index(device)) if device.type == "cuda" else 0
 
 
 def options(device: torch.device) -> dict:
     """A qflash kernel's PDL launch keywords on `device`: the kernel's `PDL` constexpr and Triton's launch flag."""
-    on = device.type == "cuda" and _supported(device.index if device.index is not None else torch.cuda.current_device())
+    on = device.type == "cuda" and _supported(_index(device))
     return {"PDL": on, "launch_pdl": on}
