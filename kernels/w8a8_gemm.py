@@ -7,6 +7,9 @@ With SPLIT_K > 1 (small M, few output tiles: N = 2,560 gives 80 tiles of 32 colu
 tile's K range is split over SPLIT_K programs that add their int32 sums atomically into a workspace;
 the last to arrive (per-tile counter) takes the total, resets workspace and counter to zero for the
 next call, and writes the output. Integer addition is associative, so every config gives the same bits.
+With output cuts (`w8a8_gemm_segments`) y's columns are written as consecutive [M, width] blocks, one per
+segment between cuts: a projection whose output SGLang splits into contiguous tensors (Gated-DeltaNet's q|k|v, z,
+b, a) then needs no split kernel.
 """
 
 from typing import Optional
@@ -31,9 +34,20 @@ def _x_tile(x_rows, k, offs_k, mask_m, k_hi, x_inv, QUANT_X: tl.constexpr):
 
 
 @triton.jit
+def _y_offsets(offs_m, offs_n, M, N, stride_ym, cut1, cut2, cut3, SEGMENTED: tl.constexpr):
+    """y[m, n]'s offset: row-major, or (SEGMENTED) in the [M, width] block of n's segment, cut at cut1 <= cut2 <= cut3."""
+    if SEGMENTED:
+        n = offs_n[None, :]
+        start = tl.where(n < cut1, 0, tl.where(n < cut2, cut1, tl.where(n < cut3, cut2, cut3)))
+        end = tl.where(n < cut1, cut1, tl.where(n < cut2, cut2, tl.where(n < cut3, cut3, N)))
+        return M * start + offs_m[:, None] * (end - start) + (n - start)
+    return offs_m[:, None] * stride_ym + offs_n[None, :]
+
+
+@triton.jit
 def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, ws_ptr, count_ptr, M, N, K,
-                      stride_xm, stride_wn, stride_ym,
-                      QUANT_X: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      stride_xm, stride_wn, stride_ym, cut1, cut2, cut3,
+                      QUANT_X: tl.constexpr, HAS_BIAS: tl.constexpr, SEGMENTED: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
                       EARLY_TILE: tl.constexpr, PDL: tl.constexpr):
     split = tl.program_id(0) % SPLIT_K
@@ -87,7 +101,7 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, w
     y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    y_ptrs = y_ptr + _y_offsets(offs_m, offs_n, M, N, stride_ym, cut1, cut2, cut3, SEGMENTED)
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_y)
 
 
@@ -107,14 +121,16 @@ def split_k_buffers(device: torch.device, m: int, n: int, tiles: int) -> tuple[t
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
-           config: dict, x_q: Optional[torch.Tensor] = None, x_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+           config: dict, x_q: Optional[torch.Tensor] = None, x_scale: Optional[torch.Tensor] = None,
+           cuts: tuple = ()) -> torch.Tensor:
     """Run the kernel with an explicit config (the tuner's entry); x [M, K] with unit stride in K. Given x's
-    int8 rows and scales (x_q, x_scale, as its producer wrote them), the kernel reads those instead."""
+    int8 rows and scales (x_q, x_scale, as its producer wrote them), the kernel reads those instead. With `cuts`
+    (up to three ascending column indices) y is flat [M * N], one [M, width] block per segment (`segments`)."""
     M, K = x.shape
     N = w.shape[0]
     cfg = {"SPLIT_K": 1, **config}
     quant_x = cfg.pop("QUANT_X") and x_q is None
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    y = torch.empty((M * N,) if cuts else (M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
     if x_q is not None:
@@ -131,9 +147,19 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
     cfg.setdefault("EARLY_TILE", programs <= pdl.multiprocessors(x.device))
     _w8a8_gemm_kernel[(programs,)](
         x, w, x_scale, w_scale, w_scale if bias is None else bias, y, ws, counts, M, N, K, x.stride(0), w.stride(0),
-        y.stride(0), QUANT_X=quant_x, HAS_BIAS=bias is not None, enable_fp_fusion=False,
-        **pdl.options(x.device), **cfg)
+        N, *cuts, *(N,) * (3 - len(cuts)), QUANT_X=quant_x, HAS_BIAS=bias is not None, SEGMENTED=bool(cuts),
+        enable_fp_fusion=False, **pdl.options(x.device), **cfg)
     return y
+
+
+def segments(y: torch.Tensor, rows: int, cuts: list[int]) -> list[torch.Tensor]:
+    """The [rows, width] blocks of a flat output written with `cuts`, one per segment, as views."""
+    bounds = [0, *cuts, y.numel() // rows]
+    return [y[rows * a:rows * b].view(rows, b - a) for a, b in zip(bounds, bounds[1:])]
+
+
+def _table_config(phase: str, m: int, n: int, k: int) -> dict:
+    return config_table.lookup(CONFIGS, phase, m, n, k, DEFAULT_DECODE if m <= config_table.DECODE_MAX_M else DEFAULT_PREFILL)
 
 
 @torch.library.custom_op("qflash::w8a8_gemm", mutates_args=())
@@ -147,8 +173,7 @@ def w8a8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Opt
         x2 = x2.contiguous()
     M, K = x2.shape
     N = w.shape[0]
-    config = config_table.lookup(CONFIGS, phase, M, N, K, DEFAULT_DECODE if M <= config_table.DECODE_MAX_M else DEFAULT_PREFILL)
-    return launch(x2, w, w_scale, bias, config, x_q, x_scale).reshape(*x.shape[:-1], N)
+    return launch(x2, w, w_scale, bias, _table_config(phase, M, N, K), x_q, x_scale).reshape(*x.shape[:-1], N)
 
 
 @w8a8_gemm.register_fake
@@ -156,51 +181,58 @@ def _(x, w, w_scale, bias=None, phase="verify", x_q=None, x_scale=None):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
+@torch.library.custom_op("qflash::w8a8_gemm_segments", mutates_args=())
+def w8a8_gemm_segments(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, cuts: list[int], phase: str,
+                       x_q: Optional[torch.Tensor] = None, x_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """w8a8_gemm of x [M, K] (unit stride in K), its output cut into column segments: flat [M * N], one [M, width]
+    block per segment (`segments` views them)."""
+    M, K = x.shape
+    return launch(x, w, w_scale, None, _table_config(phase, M, w.shape[0], K), x_q, x_scale, tuple(cuts))
+
+
+@w8a8_gemm_segments.register_fake
+def _(x, w, w_scale, cuts, phase, x_q=None, x_scale=None):
+    return x.new_empty((x.shape[0] * w.shape[0],))
+
+
 DEFAULT_DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=True, SPLIT_K=1, num_warps=4, num_stages=4)
 DEFAULT_PREFILL = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=8, num_stages=3)
 # Tuned on NVIDIA H200 (sm90) by `qflash tune`: (phase, M bucket, N, K) -> launch config.
 CONFIGS = {
-    ('prefill', 64, 64, 2560): dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
     ('prefill', 64, 2560, 4096): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('prefill', 64, 2560, 9216): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('prefill', 64, 10240, 2560): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
-    ('prefill', 64, 12288, 2560): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
+    ('prefill', 64, 12352, 2560): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
     ('prefill', 64, 18432, 2560): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
-    ('prefill', 2048, 64, 2560): dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('prefill', 2048, 2560, 4096): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('prefill', 2048, 2560, 9216): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('prefill', 2048, 10240, 2560): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=8, num_stages=3),
-    ('prefill', 2048, 12288, 2560): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=8, num_stages=3),
+    ('prefill', 2048, 12352, 2560): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=8, num_stages=3),
     ('prefill', 2048, 18432, 2560): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=8, num_stages=3),
-    ('prefill', 8192, 64, 2560): dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('prefill', 8192, 2560, 4096): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=8, num_stages=3),
     ('prefill', 8192, 2560, 9216): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
     ('prefill', 8192, 10240, 2560): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=8, num_stages=3),
-    ('prefill', 8192, 12288, 2560): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=8, num_stages=3),
+    ('prefill', 8192, 12352, 2560): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=8, num_stages=3),
     ('prefill', 8192, 18432, 2560): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=8, num_stages=3),
-    ('verify', 16, 64, 2560): dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=8, num_warps=4, num_stages=3),
     ('verify', 16, 2560, 4096): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('verify', 16, 2560, 9216): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('verify', 16, 10240, 2560): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
-    ('verify', 16, 12288, 2560): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
+    ('verify', 16, 12352, 2560): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('verify', 16, 18432, 2560): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
-    ('verify', 32, 64, 2560): dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
     ('verify', 32, 2560, 4096): dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('verify', 32, 2560, 9216): dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('verify', 32, 10240, 2560): dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
-    ('verify', 32, 12288, 2560): dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
+    ('verify', 32, 12352, 2560): dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('verify', 32, 18432, 2560): dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
-    ('verify', 64, 64, 2560): dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
     ('verify', 64, 2560, 4096): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('verify', 64, 2560, 9216): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('verify', 64, 10240, 2560): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
-    ('verify', 64, 12288, 2560): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
+    ('verify', 64, 12352, 2560): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
     ('verify', 64, 18432, 2560): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
-    ('verify', 128, 64, 2560): dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
     ('verify', 128, 2560, 4096): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('verify', 128, 2560, 9216): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
     ('verify', 128, 10240, 2560): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
-    ('verify', 128, 12288, 2560): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
+    ('verify', 128, 12352, 2560): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
     ('verify', 128, 18432, 2560): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
     ('draft', 16, 2560, 4096): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('draft', 16, 2560, 9216): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=2, num_warps=4, num_stages=4),

@@ -95,6 +95,19 @@ def test_w8a8_fused_quantization_split_k_and_early_tiles_give_the_same_bits():
     assert all(torch.equal(w8a8_gemm.launch(x, w, w_scale, None, c), separate) for c in W8A8_CONFIGS)
 
 
+@pytest.mark.parametrize("config", W8A8_CONFIGS, ids=W8A8_IDS)
+def test_output_cuts_write_each_segment_as_its_own_block(config):
+    """A Gated-DeltaNet layer's q|k|v, z, b and a apart (server/hooks/gdn_input_proj.py): each block holds the bits
+    of those columns of the plain output, with cuts inside tiles (40 and 104 are no multiple of 16 or 32) and a
+    segment narrower than a tile."""
+    x = torch.randn(20, 150, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16).to(DEVICE)
+    w, w_scale = int8_weight(120, 150)
+    cuts = [40, 96, 104]
+    blocks = w8a8_gemm.segments(w8a8_gemm.launch(x, w, w_scale, None, config, cuts=tuple(cuts)), 20, cuts)
+    assert [b.shape for b in blocks] == [(20, 40), (20, 56), (20, 8), (20, 16)] and all(b.is_contiguous() for b in blocks)
+    assert torch.equal(torch.cat(blocks, dim=1), w8a8_gemm.launch(x, w, w_scale, None, config))
+
+
 def test_the_first_weight_tile_goes_early_in_grids_of_one_wave(monkeypatch):
     launched = []
 
@@ -238,7 +251,7 @@ def test_shapes_follow_from_the_preset():
     q, kv = t["num_attention_heads"] * t["head_dim"], t["num_key_value_heads"] * t["head_dim"]
     h, ffn = t["hidden_size"], t["intermediate_size"]
     assert dict((n, (N, K)) for n, N, K in shapes.TARGET) == {
-        "gdn.in_proj_qkvz": (2 * key + 2 * value, h), "gdn.in_proj_ba": (2 * t["linear_num_value_heads"], h),
+        "gdn.in_proj_qkvzba": (2 * key + 2 * value + 2 * t["linear_num_value_heads"], h),
         "gdn.out_proj": (h, value), "attn.qkv_proj": (2 * q + 2 * kv, h), "attn.o_proj": (h, q),
         "mlp.gate_up_proj": (2 * ffn, h), "mlp.down_proj": (h, ffn)}
     dq = d["num_attention_heads"] * d["head_dim"]
@@ -246,7 +259,7 @@ def test_shapes_follow_from_the_preset():
     assert dict((n, (N, K)) for n, N, K in shapes.DRAFTER) == {
         "draft.o_proj": (h, dq), "draft.gate_up_proj": (2 * ffn, h), "draft.down_proj": (h, ffn)}
     assert shapes.LM_HEAD == ("lm_head", t["vocab_size"], h)
-    assert sum(shapes.TARGET_COUNT.values()) == 24 * 3 + 8 * 2 + 32 * 2
+    assert sum(shapes.TARGET_COUNT.values()) == 24 * 2 + 8 * 2 + 32 * 2
 
 
 def test_bench_kernels_gdn_table_renders():
@@ -318,9 +331,11 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
     split_k = dict(w8a8_gemm.DEFAULT_DECODE, QUANT_X=False, SPLIT_K=4)  # the atomic split-K path compiles too
     for config in distinct([*w8a8_gemm.CONFIGS.values(), w8a8_gemm.DEFAULT_DECODE, w8a8_gemm.DEFAULT_PREFILL, split_k]):
         pointers = {"x_ptr": "*bf16" if config["QUANT_X"] else "*i8", **scales}
-        for early in (False, True):  # the first weight tile after or before the PDL wait (by the grid, as served)
+        # the first weight tile after or before the PDL wait (by the grid, as served); the output in blocks
+        for early, segmented in ((False, False), (True, False), (False, True)):
             kernel = compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, pointers,
-                                      {"SPLIT_K": 1, **config, "HAS_BIAS": False, "EARLY_TILE": early}, gemm_ints)
+                                      {"SPLIT_K": 1, **config, "HAS_BIAS": False, "EARLY_TILE": early,
+                                       "SEGMENTED": segmented}, gemm_ints + ("cut1", "cut2", "cut3"))
         done.append(("w8a8_gemm", config, "wgmma" in kernel.asm["ptx"]))
     for k in sorted({k for _, _, k in shapes.TARGET + shapes.DRAFTER}):  # the quantization's rows, in registers
         config = per_token_quant.launch_config(k)

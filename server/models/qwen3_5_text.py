@@ -6,7 +6,8 @@ text-only Qwen3.5 (no vision tower, so no image processor) and adds what that cl
 `set_dflash_layers_to_capture`, loading the multimodal checkpoint's `model.language_model.*` names, and
 loading the lm_head's tensors besides its weight (the int8 head's `weight_scale`), which that class drops.
 Each layer's norms and SiLU-and-multiply are marked to hand their output's int8 rows to the W8A8 projections
-that read it (quant/handoff.py), as are the drafter's (server/models/dflash_drafter.py).
+that read it (quant/handoff.py), as are the drafter's (server/models/dflash_drafter.py), and each Gated-DeltaNet
+layer's two input projections share one int8 weight, run as one GEMM (server/hooks/gdn_input_proj.py).
 """
 
 import logging
@@ -19,9 +20,11 @@ from sglang.srt.models.qwen3_5_text import Qwen3_5ForCausalLM
 from qflash.quant import handoff
 from qflash.quant.layout import LM_HEAD, text_name
 from qflash.quant.method import runs_w8a8
+from qflash.server.hooks import gdn_input_proj
 
 logger = logging.getLogger(__name__)
 HANDOFF_LOG = "qflash: {model}: {count} norms and activations hand their int8 rows to W8A8 projections"
+MERGE_LOG = "qflash: target: {count} Gated-DeltaNet layers run in_proj_qkvz and in_proj_ba as one GEMM"
 # A decoder layer's producers of projection input -> the projections that read it (the names of either layer type
 # of the target and of the DFlash drafter's layers).
 INT8_HANDOFFS = {
@@ -66,6 +69,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
         text_config.tie_word_embeddings = getattr(config, "tie_word_embeddings", text_config.tie_word_embeddings)
         super().__init__(text_config, quant_config=quant_config, prefix=prefix)
         logger.info(HANDOFF_LOG.format(model="target", count=mark_int8_handoffs(self.model.layers)))
+        logger.info(MERGE_LOG.format(count=gdn_input_proj.merge(self.model.layers)))
 
     def set_dflash_layers_to_capture(self, layer_ids: list[int]) -> None:
         """DFlash taps the output of target layer i, i.e. the input of layer i + 1 (as SGLang's VL class)."""

@@ -18,8 +18,8 @@ ATTENTION_HEADS = (_t["num_attention_heads"], _t["num_key_value_heads"], _t["hea
 _q, _kv, _hd = ATTENTION_HEADS
 
 TARGET = [
-    ("gdn.in_proj_qkvz", 2 * GDN_KEY + 2 * GDN_VALUE, HIDDEN),
-    ("gdn.in_proj_ba", 2 * _t["linear_num_value_heads"], HIDDEN),
+    # in_proj_qkvz and in_proj_ba, run as one GEMM (server/models/qwen3_5_text.py, server/hooks/gdn_input_proj.py)
+    ("gdn.in_proj_qkvzba", 2 * GDN_KEY + 2 * GDN_VALUE + 2 * _t["linear_num_value_heads"], HIDDEN),
     ("gdn.out_proj", HIDDEN, GDN_VALUE),
     ("attn.qkv_proj", 2 * _q * _hd + 2 * _kv * _hd, HIDDEN),  # the query doubled: attn_output_gate
     ("attn.o_proj", HIDDEN, _q * _hd),
@@ -36,6 +36,6 @@ LM_HEAD = ("lm_head", _t["vocab_size"], HIDDEN)
 # How often each target GEMM runs in one forward, from the layer types.
 GDN_LAYERS = sum(kind == "linear_attention" for kind in _t["layer_types"])
 ATTENTION_LAYERS = _t["num_hidden_layers"] - GDN_LAYERS
-TARGET_COUNT = {"gdn.in_proj_qkvz": GDN_LAYERS, "gdn.in_proj_ba": GDN_LAYERS, "gdn.out_proj": GDN_LAYERS,
+TARGET_COUNT = {"gdn.in_proj_qkvzba": GDN_LAYERS, "gdn.out_proj": GDN_LAYERS,
                 "attn.qkv_proj": ATTENTION_LAYERS, "attn.o_proj": ATTENTION_LAYERS,
                 "mlp.gate_up_proj": _t["num_hidden_layers"], "mlp.down_proj": _t["num_hidden_layers"]}

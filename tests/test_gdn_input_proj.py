@@ -1,0 +1,116 @@
+"""A Gated-DeltaNet layer's in_proj_qkvz and in_proj_ba as one GEMM (server/hooks/gdn_input_proj.py), against SGLang's
+two GEMMs and its split kernel (CPU: Triton's interpreter; small heads of the real layout)."""
+
+import pytest
+import torch
+from sglang.kernels.ops.attention.triton_gdn_fused_proj import fused_qkvzba_split_reshape_cat_contiguous
+
+from qflash.quant import handoff
+from qflash.quant.method import W8A8LinearMethod
+from qflash.server.hooks import gdn_input_proj
+from test_kernels import DEVICE, int8_weight
+
+K_HEADS, V_HEADS, HEAD, HIDDEN = 2, 4, 8, 64  # Qwen3.5-4B: 16, 32, 128, 2560
+KEY, VALUE = K_HEADS * HEAD, V_HEADS * HEAD
+
+
+class _Linear(torch.nn.Module):
+    """An int8 linear as SGLang's W8A8 method creates it: weight [N, K], scales [N, 1]."""
+
+    def __init__(self, n, seed):
+        super().__init__()
+        weight, scale = int8_weight(n, HIDDEN, seed)
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = torch.nn.Parameter(scale[:, None], requires_grad=False)
+        self.bias = None
+        self.quant_method = W8A8LinearMethod()
+
+
+def gdn_layer(seed=0, tp=1):
+    """A decoder layer whose `linear_attn` has the attributes SGLang's Qwen3_5GatedDeltaNet gives it."""
+    gdn = torch.nn.Module()
+    gdn.in_proj_qkvz, gdn.in_proj_ba = _Linear(2 * KEY + 2 * VALUE, seed), _Linear(2 * V_HEADS, seed + 1)
+    gdn.attn_tp_size, gdn.num_k_heads, gdn.num_v_heads, gdn.layer_id = tp, K_HEADS, V_HEADS, 0
+    gdn.conv_dim, gdn.value_dim = 2 * KEY + VALUE, VALUE
+    layer = torch.nn.Module()
+    layer.linear_attn = gdn
+    return layer
+
+
+def load(gdn, seed):
+    """What SGLang's loader and qflash's method do: copy the checkpoint into the parameters, then process them."""
+    for linear, s in ((gdn.in_proj_qkvz, seed), (gdn.in_proj_ba, seed + 1)):
+        weight, scale = int8_weight(*linear.weight.shape, s)
+        linear.weight.data.copy_(weight)
+        linear.weight_scale.data.copy_(scale[:, None])
+        linear.quant_method.process_weights_after_loading(linear)
+
+
+def sglang_path(gdn, x):
+    qkvz = gdn.in_proj_qkvz.quant_method.apply(gdn.in_proj_qkvz, x)
+    ba = gdn.in_proj_ba.quant_method.apply(gdn.in_proj_ba, x)
+    return fused_qkvzba_split_reshape_cat_contiguous(qkvz, ba, K_HEADS, V_HEADS, HEAD, HEAD)
+
+
+def merged_path(gdn, x):
+    def never(*args):
+        raise AssertionError("SGLang's path ran for a merged layer")
+
+    projected = gdn_input_proj._one_gemm(never, gdn, x)
+    return gdn_input_proj._split(never, *projected, K_HEADS, V_HEADS, HEAD, HEAD)
+
+
+def rows(m, seed):
+    return torch.randn(m, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).to(DEVICE)
+
+
+@pytest.mark.parametrize("m", [5, 16])
+def test_one_gemm_gives_sglangs_qkv_z_b_a_bit_for_bit(m):
+    layer = gdn_layer()
+    assert gdn_input_proj.merge([layer]) == 1
+    gdn = layer.linear_attn
+    load(gdn, seed=3)  # after the merge, as SGLang builds the model first
+    x = rows(m, 4)
+    expected, got = sglang_path(gdn, x), merged_path(gdn, x)
+    assert [t.shape for t in got] == [t.shape for t in expected] == [(m, 2 * KEY + VALUE), (m, V_HEADS, HEAD),
+                                                                       (m, V_HEADS), (m, V_HEADS)]
+    assert all(t.is_contiguous() for t in got)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_one_gemm_reads_the_int8_rows_its_norm_handed_off(monkeypatch):
+    layer = gdn_layer()
+    gdn_input_proj.merge([layer])
+    gdn = layer.linear_attn
+    load(gdn, seed=5)
+    x = rows(16, 6)
+    expected = merged_path(gdn, x)
+    monkeypatch.setattr(handoff, "_offered", None)  # put back after the test
+    handoff.offer(x, torch.zeros(16, HIDDEN, dtype=torch.int8, device=DEVICE), torch.ones(16, device=DEVICE))
+    # rows that are not x's: the GEMM must read them, so every output is zero
+    assert all(not t.any() for t in merged_path(gdn, x)) and all(t.any() for t in expected)
+
+
+def test_a_loader_that_replaced_the_parameters_stops_the_layer():
+    """Else the merged weight, never loaded, would serve wrong tokens without a word."""
+    layer = gdn_layer()
+    gdn_input_proj.merge([layer])
+    gdn = layer.linear_attn
+    gdn.in_proj_ba.weight = torch.nn.Parameter(gdn.in_proj_ba.weight.data.clone(), requires_grad=False)
+    with pytest.raises(RuntimeError, match="no longer view their merged weight"):
+        merged_path(gdn, rows(16, 7))
+
+
+@pytest.mark.parametrize("case", ["bf16 ba", "two ranks", "no GDN"])
+def test_layers_the_merge_does_not_cover_keep_sglangs_path(case):
+    layer = gdn_layer(tp=2 if case == "two ranks" else 1)
+    if case == "bf16 ba":
+        layer.linear_attn.in_proj_ba = torch.nn.Linear(HIDDEN, 2 * V_HEADS, bias=False)
+    if case == "no GDN":
+        del layer.linear_attn
+        layer.self_attn = torch.nn.Module()
+    assert gdn_input_proj.merge([layer]) == 0
+    if case != "no GDN":
+        x = rows(4, 8)
+        assert gdn_input_proj._one_gemm(lambda self, h: ("sglang", h), layer.linear_attn, x) == ("sglang", x)
+        assert gdn_input_proj._split(lambda *args: "sglang", "qkvz", "ba", K_HEADS, V_HEADS, HEAD, HEAD) == "sglang"
