@@ -34,19 +34,19 @@ def _x_tile(x_rows, k, offs_k, mask_m, k_hi, x_inv, QUANT_X: tl.constexpr):
 
 
 @triton.jit
-def _y_offsets(offs_m, offs_n, M, N, stride_ym, cut1, cut2, cut3, SEGMENTED: tl.constexpr):
+def _y_offsets(offs_m, offs_n, M, N, cut1, cut2, cut3, SEGMENTED: tl.constexpr):
     """y[m, n]'s offset: row-major, or (SEGMENTED) in the [M, width] block of n's segment, cut at cut1 <= cut2 <= cut3."""
     if SEGMENTED:
         n = offs_n[None, :]
         start = tl.where(n < cut1, 0, tl.where(n < cut2, cut1, tl.where(n < cut3, cut2, cut3)))
         end = tl.where(n < cut1, cut1, tl.where(n < cut2, cut2, tl.where(n < cut3, cut3, N)))
         return M * start + offs_m[:, None] * (end - start) + (n - start)
-    return offs_m[:, None] * stride_ym + offs_n[None, :]
+    return offs_m[:, None] * N + offs_n[None, :]
 
 
 @triton.jit
 def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, ws_ptr, count_ptr, M, N, K,
-                      stride_xm, stride_wn, stride_ym, cut1, cut2, cut3,
+                      stride_xm, stride_wn, cut1, cut2, cut3,
                       QUANT_X: tl.constexpr, HAS_BIAS: tl.constexpr, SEGMENTED: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
                       EARLY_TILE: tl.constexpr, PDL: tl.constexpr):
@@ -101,7 +101,7 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, w
     y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    y_ptrs = y_ptr + _y_offsets(offs_m, offs_n, M, N, stride_ym, cut1, cut2, cut3, SEGMENTED)
+    y_ptrs = y_ptr + _y_offsets(offs_m, offs_n, M, N, cut1, cut2, cut3, SEGMENTED)
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_y)
 
 
@@ -147,7 +147,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
     cfg.setdefault("EARLY_TILE", programs <= pdl.multiprocessors(x.device))
     _w8a8_gemm_kernel[(programs,)](
         x, w, x_scale, w_scale, w_scale if bias is None else bias, y, ws, counts, M, N, K, x.stride(0), w.stride(0),
-        N, *cuts, *(N,) * (3 - len(cuts)), QUANT_X=quant_x, HAS_BIAS=bias is not None, SEGMENTED=bool(cuts),
+        *cuts, *(N,) * (3 - len(cuts)), QUANT_X=quant_x, HAS_BIAS=bias is not None, SEGMENTED=bool(cuts),
         enable_fp_fusion=False, **pdl.options(x.device), **cfg)
     return y
 
