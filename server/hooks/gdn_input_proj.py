@@ -2,9 +2,9 @@
 
 SGLang 0.5.17 runs each GDN layer's in_proj_qkvz and in_proj_ba as two GEMMs (in a CUDA graph, the small one on a
 side stream, joined before the next kernel), then a split kernel that copies their outputs into the contiguous
-q|k|v, z, b and a the layer reads. At 16 rows that is 14.4 us a layer; one GEMM over both weights that writes each
-of the four into its own [M, width] block (kernels/w8a8_gemm.py's output cuts) takes 12.2 (BENCHMARKS.md,
-2026-12-04, twenty-ninth session). `merge`, called by qflash's model class as it is built, puts both layers'
+q|k|v, z, b and a the layer reads. One GEMM over both weights that writes each of the four into its own [M, width]
+block (kernels/w8a8_gemm.py's output cuts) does the same in less time at decode sizes (BENCHMARKS.md, 2026-12-04,
+twenty-ninth session). `merge`, called by qflash's model class as it is built, puts both layers'
 int8 rows and scales into one weight and one scale vector that their parameters then view, so SGLang's loader
 fills them in place; the hooks run the one GEMM in `_forward_input_proj` and hand its four blocks through SGLang's
 split call. Retire when SGLang fuses in_proj_qkvz and in_proj_ba into one linear layer whose output it splits
