@@ -152,9 +152,9 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
     return y
 
 
-def segments(y: torch.Tensor, rows: int, cuts: list[int]) -> list[torch.Tensor]:
-    """The [rows, width] blocks of a flat output written with `cuts`, one per segment, as views."""
-    bounds = [0, *cuts, y.numel() // rows]
+def segments(y: torch.Tensor, rows: int, cuts: list[int], n: int) -> list[torch.Tensor]:
+    """The [rows, width] blocks of a flat output of n columns written with `cuts`, one per segment, as views."""
+    bounds = [0, *cuts, n]
     return [y[rows * a:rows * b].view(rows, b - a) for a, b in zip(bounds, bounds[1:])]
 
 

@@ -103,9 +103,11 @@ def test_output_cuts_write_each_segment_as_its_own_block(config):
     x = torch.randn(20, 150, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16).to(DEVICE)
     w, w_scale = int8_weight(120, 150)
     cuts = [40, 96, 104]
-    blocks = w8a8_gemm.segments(w8a8_gemm.launch(x, w, w_scale, None, config, cuts=tuple(cuts)), 20, cuts)
+    blocks = w8a8_gemm.segments(w8a8_gemm.launch(x, w, w_scale, None, config, cuts=tuple(cuts)), 20, cuts, 120)
     assert [b.shape for b in blocks] == [(20, 40), (20, 56), (20, 8), (20, 16)] and all(b.is_contiguous() for b in blocks)
     assert torch.equal(torch.cat(blocks, dim=1), w8a8_gemm.launch(x, w, w_scale, None, config))
+    empty = w8a8_gemm.segments(w8a8_gemm.launch(x[:0], w, w_scale, None, config, cuts=tuple(cuts)), 0, cuts, 120)
+    assert [b.shape for b in empty] == [(0, 40), (0, 56), (0, 8), (0, 16)]  # a forward of no tokens
 
 
 def test_the_first_weight_tile_goes_early_in_grids_of_one_wave(monkeypatch):

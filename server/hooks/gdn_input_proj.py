@@ -72,7 +72,7 @@ def _one_gemm(original, self, hidden_states):
     x_q, x_scale = handoff.take(x)
     phase = gemm_phase(self.in_proj_qkvz.quant_method.decode_phase, x.shape[0])
     y = torch.ops.qflash.w8a8_gemm_segments(x, weight, scale, cuts, phase, x_q, x_scale)
-    return w8a8_gemm.segments(y, x.shape[0], cuts), None  # read by `_split`, in place of SGLang's two outputs
+    return w8a8_gemm.segments(y, x.shape[0], cuts, weight.shape[0]), None  # read by `_split`, in place of SGLang's two outputs
 
 
 def _split(original, mixed_qkvz, mixed_ba, num_heads_qk, num_heads_v, head_qk, head_v):
