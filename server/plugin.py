@@ -14,8 +14,8 @@ MODEL_PACKAGE = "qflash.server.models"
 TEXT_ONLY = text_only_model.CHANGES
 QFLASH = [*TEXT_ONLY, *quantization.CHANGES, *quant_handoff.CHANGES, *gdn_input_proj.CHANGES, *requests.CHANGES,
           *draft_pick.CHANGES, *graph_monitor.CHANGES, *compile_watch.CHANGES, *attention.CHANGES, *radix_cache.CHANGES,
-          *gdn_verify.CHANGES, *gdn_prefill.CHANGES, *fresh_prefill.CHANGES, *logprobs.CHANGES, *multi_cycle.CHANGES, *cycle_graphs.CHANGES,
-          *glue_graphs.CHANGES]  # last: its graphs hold the other hooks' work on the same steps
+          *gdn_verify.CHANGES, *gdn_prefill.CHANGES, *fresh_prefill.CHANGES, *logprobs.CHANGES, *multi_cycle.CHANGES,
+          *cycle_graphs.CHANGES, *glue_graphs.CHANGES]  # last: its graphs hold the other hooks' work on the same steps
 
 
 def metered(changes: list) -> list:
