@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from conftest import run_python
+from test_kernels import DEVICE
 
 VERIFY = """
 import json, sys, torch
@@ -115,6 +116,7 @@ def check(got: dict, tolerance: float) -> None:
     assert got["longer block"], "a call of more than 16 tokens per request runs SGLang's kernel"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run: a GPU runs the real shape below")
 @pytest.mark.parametrize("batch", [1, 3])  # the tiles for one request and for more
 def test_tiled_verify_and_fold(batch):
     check(tiled_verify("cpu", batch, 2, 4, 32, 64), 1e-5)
@@ -132,3 +134,82 @@ def test_the_verify_block_is_dflashs_block():
     from qflash.server import preset
 
     assert gdn_verify.BLOCK_STEPS == preset.BLOCK_SIZE, "every DFLASH verify must reach the block-solved kernel"
+
+
+HEADS = (2, 2, 4, 32, 32, 64)  # q, k, v heads; their dims (SGLang's split's arguments)
+
+
+def conv_rows(tokens: int, seed: int = 0) -> torch.Tensor:
+    """A conv output's rows as the verify gets them: a token's q | k | v contiguous, tokens apart."""
+    q_heads, k_heads, v_heads, dq, dk, dv = HEADS
+    width = q_heads * dq + k_heads * dk + v_heads * dv
+    return torch.randn(tokens, width, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+def test_split_hands_out_views_of_contiguous_rows_in_whole_blocks():
+    from sglang.kernels.ops.attention.triton_gdn_fused_proj import fused_qkv_split_gdn_prefill as sglang_split
+
+    from qflash.server.hooks.gdn_verify import _verify_reads_conv_rows
+
+    rows = conv_rows(32)
+    views = _verify_reads_conv_rows(sglang_split, rows, *HEADS)
+    assert all(torch.equal(view, copy) for view, copy in zip(views, sglang_split(rows, *HEADS)))
+    assert all(view.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr() for view in views)
+    # the eager prefill's conv output read through its transpose, and rows short of a whole block: SGLang's copies
+    for other in (rows.t().contiguous().t(), rows[:20]):
+        split = _verify_reads_conv_rows(sglang_split, other, *HEADS)
+        assert all(part.is_contiguous() and torch.equal(part, copy) for part, copy in zip(split, sglang_split(other, *HEADS)))
+
+
+def test_the_verify_of_row_views_is_the_verify_of_copies_bit_for_bit():
+    from qflash.kernels import gdn_verify
+    from qflash.server.hooks.gdn_verify import _verify_reads_conv_rows
+
+    q_heads, k_heads, v_heads, dq, dk, dv = HEADS
+    batch, steps, slots = 2, gdn_verify.BLOCK_STEPS, 5
+    tokens = batch * steps
+    g = torch.Generator().manual_seed(1)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)
+    views = _verify_reads_conv_rows(None, conv_rows(tokens, seed=2), *HEADS)
+    assert not views[0].is_contiguous()
+    a, b, A_log, dt_bias = rand(tokens, v_heads), rand(tokens, v_heads) + 3, rand(v_heads), rand(v_heads)
+    state = rand(slots, v_heads, dv, dk) * 0.1
+
+    def verify(q, k, v):
+        rings = [torch.zeros(shape, device=DEVICE) for shape in ((slots, v_heads, steps, dv), (slots, k_heads, steps, dk),
+                                                                 (slots, v_heads, steps), (slots, v_heads, steps))]
+        as_int = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)
+        o = gdn_verify.verify(A_log, a, dt_bias, 1.0, 20.0, q, k, v, b, state, as_int([1, 3]),
+                              as_int(list(range(0, tokens + 1, steps))), *rings)
+        return [o, *rings]
+
+    assert all(map(torch.equal, verify(*views), verify(*(view.contiguous() for view in views))))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_flas_chunked_prefill_of_row_views_is_that_of_copies_gpu():
+    """A prompt over qflash's recurrent prefill's reach in the fresh-prompt graph gets views too: FLA's chunked path
+    (as server/hooks/fresh_prefill.py calls it) copies them itself and computes what it computes from the copies."""
+    from sglang.kernels.ops.attention.fla.chunk import chunk_gated_delta_rule
+    from sglang.kernels.ops.attention.triton_gdn_fused_proj import fused_qkv_split_gdn_prefill as sglang_split
+
+    from qflash.server.hooks.gdn_verify import _verify_reads_conv_rows
+
+    heads, tokens = (16, 16, 32, 128, 128, 128), 320  # Qwen3.5-4B's GDN heads
+    g = torch.Generator(device="cuda").manual_seed(3)
+    rows = torch.randn(tokens, 2 * 16 * 128 + 32 * 128, device="cuda", generator=g).to(torch.bfloat16)
+    gate = -torch.rand(1, tokens, 32, device="cuda", generator=g)
+    beta = torch.rand(1, tokens, 32, device="cuda", generator=g)
+    state = torch.randn(3, 32, 128, 128, device="cuda", generator=g) * 0.1
+    slot = torch.tensor([1], device="cuda", dtype=torch.int32)
+
+    def prefill(q, k, v):
+        h0 = state.clone()
+        out = chunk_gated_delta_rule(q, k, v, gate, beta, initial_state=h0, initial_state_indices=slot,
+                                     use_qk_l2norm_in_kernel=True)
+        return [t for t in out if isinstance(t, torch.Tensor)] + [h0]
+
+    views = _verify_reads_conv_rows(sglang_split, rows, *heads)
+    assert not views[0].is_contiguous()
+    assert all(map(torch.equal, prefill(*views), prefill(*sglang_split(rows, *heads))))

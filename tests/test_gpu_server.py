@@ -219,16 +219,18 @@ def test_the_log_says_how_many_hooks_each_process_applied(server):
     assert len(lines) >= 2 and all(line.split("qflash: ")[1].startswith(f"{count} hooks applied") for line in lines)
 
 
-def test_every_layers_norms_and_activation_hand_int8_rows_to_the_projections(server):
+def test_every_layers_norms_activation_and_gate_hand_int8_rows_to_the_projections(server):
     from conftest import served_log
 
     from qflash.server.models.qwen3_5_text import HANDOFF_LOG
     from qflash.server.preset import DRAFTER_CONFIG, TEXT_CONFIG
 
-    # Every layer's two norms and activation, each Gated-DeltaNet layer's output norm; the drafter's post-attention
-    # norm and activation (its input norm feeds its bf16 QKV).
+    # Every layer's two norms and activation, each Gated-DeltaNet layer's output norm, each attention layer's output
+    # gate; the drafter's post-attention norm and activation (its input norm feeds its bf16 QKV).
     gdn_layers = TEXT_CONFIG["layer_types"].count("linear_attention")
-    expected = [HANDOFF_LOG.format(model="target", count=3 * TEXT_CONFIG["num_hidden_layers"] + gdn_layers),
+    attention_layers = TEXT_CONFIG["layer_types"].count("full_attention")
+    target = 3 * TEXT_CONFIG["num_hidden_layers"] + gdn_layers + attention_layers
+    expected = [HANDOFF_LOG.format(model="target", count=target),
                 HANDOFF_LOG.format(model="drafter", count=2 * DRAFTER_CONFIG["num_hidden_layers"])]
     found = [line for line in served_log().splitlines() if "int8 rows" in line]
     assert all(any(line in log for log in found) for line in expected), found

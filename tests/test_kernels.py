@@ -17,7 +17,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from qflash.kernels import block_attention, config_table, conv_update, gdn_verify, per_token_quant, w8a16_argmax, w8a16_gemm, w8a8_gemm
+from qflash.kernels import (block_attention, config_table, conv_update, gdn_verify, per_token_quant, sigmoid_mul_quant,
+                            w8a16_argmax, w8a16_gemm, w8a8_gemm)
 from qflash.server.tools import shapes
 from qflash.server import preset
 from conftest import REPO, run_python
@@ -377,6 +378,11 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
     config = dict(T=16, WIDTH=4, HAS_BIAS=True, BLOCK_N=conv_update.BLOCK_N, num_warps=conv_update.NUM_WARPS)
     compile_for_sm90(conv_update._conv_update_kernel, pointers, config)
     done.append(("conv_update", config, None))
+    config = dict(per_token_quant.launch_config(dict((name, k) for name, _, k in shapes.TARGET)["attn.o_proj"]),
+                  HEAD_DIM=shapes.ATTENTION_HEADS[2])  # the attention output gate
+    compile_for_sm90(sigmoid_mul_quant._sigmoid_mul_quant_kernel,
+                     {"attn_ptr": "*bf16", "gate_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32"}, config)
+    done.append(("sigmoid_mul_quant", config, None))
     return done
 
 

@@ -28,10 +28,12 @@ def test_kernel_names_map_to_their_families():
     assert family("Memcpy DtoD (Device -> Device)") == "copies and fills"
     assert family("void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>(__nv_bfloat16*)") == "norms, rotary, activations"
     # qflash's norm and activation that also quantize (a "gemma" in a name would read as a GEMM)
-    from qflash.kernels import norm_quant, silu_mul_quant
+    from qflash.kernels import norm_quant, sigmoid_mul_quant, silu_mul_quant
 
-    for kernel in (norm_quant._rms_norm_quant_kernel, silu_mul_quant._silu_mul_quant_kernel):
+    for kernel in (norm_quant._rms_norm_quant_kernel, silu_mul_quant._silu_mul_quant_kernel,
+                   sigmoid_mul_quant._sigmoid_mul_quant_kernel):
         assert family(kernel.fn.__name__) == "norms, rotary, activations", kernel.fn.__name__
+    assert family("_fused_sigmoid_mul_kernel") == "norms, rotary, activations"  # SGLang's attention output gate
     assert family("my_new_kernel") == "other"
 
 

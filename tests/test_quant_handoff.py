@@ -1,4 +1,5 @@
-"""The norms (Gemma, plain, Gated-DeltaNet's gated one) and SiLU-and-multiply that write their output's int8 rows,
+"""The norms (Gemma, plain, Gated-DeltaNet's gated one), SiLU-and-multiply and the attention output gate that write
+their output's int8 rows,
 and the handoff of those rows to the W8A8 projection (CPU: Triton's interpreter, which truncates fp32 -> bf16,
 hence the 1-ulp tolerances on bf16 outputs)."""
 
@@ -7,10 +8,12 @@ import torch
 
 from qflash.kernels.gated_norm_quant import gated_norm_quant
 from qflash.kernels.norm_quant import rms_norm_quant
+from qflash.kernels.sigmoid_mul_quant import sigmoid_mul_quant
 from qflash.kernels.silu_mul_quant import silu_mul_quant
 from qflash.quant import handoff
 from qflash.quant.method import W8A8LinearMethod, runs_w8a8
-from qflash.server.hooks.quant_handoff import _gated_norm_with_int8_output, _rms_norm, _silu_mul_with_int8_output
+from qflash.server.hooks.quant_handoff import (_gate_with_int8_output, _gated_norm_with_int8_output,
+                                               _name_the_gated_layer, _rms_norm, _silu_mul_with_int8_output)
 from test_kernels import BF16_ULP, DEVICE, int8_weight, quant_reference
 
 EPS = 1e-6
@@ -71,6 +74,24 @@ def test_silu_mul_writes_the_product_and_the_int8_rows_of_what_it_wrote():
     gate, up = x.double().chunk(2, dim=-1)
     ref = gate / (1 + torch.exp(-gate)) * up
     assert out.shape == (6, 200) and within_ulp(out, ref, ulps=3)
+    q_ref, scale_ref = quant_reference(out.cpu())
+    assert torch.equal(q.cpu(), q_ref) and torch.equal(scale.cpu(), scale_ref)
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["flat-gate", "per-head-gate"])
+def test_the_gate_writes_sglangs_bits_in_place_and_the_int8_rows_of_what_it_wrote(per_head):
+    """As SGLang's Triton gate: the flat gate of its CUDA path, or the per-head view of q | gate its native path makes
+    (Qwen3.5-4B's 16 heads of 256)."""
+    from sglang.kernels.ops.elementwise.elementwise import fused_sigmoid_mul
+
+    tokens, heads, head_dim = 5, 16, 256
+    attn = rows(tokens, heads * head_dim, 24, 2.0)
+    q_gate = rows(tokens, 2 * heads * head_dim, 25, 3.0)
+    gate = q_gate.view(tokens, heads, 2 * head_dim)[..., head_dim:] if per_head else q_gate[:, ::2].contiguous()
+    expected = fused_sigmoid_mul(attn.clone(), gate, inplace=True)
+    out = attn
+    q, scale = sigmoid_mul_quant(out, gate)
+    assert torch.equal(out, expected) and not torch.equal(out, rows(tokens, heads * head_dim, 24, 2.0))  # in place
     q_ref, scale_ref = quant_reference(out.cpu())
     assert torch.equal(q.cpu(), q_ref) and torch.equal(scale.cpu(), scale_ref)
 
@@ -186,6 +207,21 @@ def test_an_unmarked_module_keeps_sglangs_kernel():
     assert calls == ["norm", "act", "norm+", "variant"]
 
 
+def test_the_gate_offers_its_rows_only_inside_a_marked_attention_layer():
+    attn, gate = rows(3, 128, 26), rows(3, 128, 27)
+    sglang = lambda attn_output, gate, inplace=False: "sglang"
+    layer = torch.nn.Module()
+    layer.self_attention = lambda: _gate_with_int8_output(_never, attn, gate, inplace=True)
+    assert _gate_with_int8_output(sglang, attn, gate, inplace=True) == "sglang"  # outside any attention layer
+    handoff.mark(layer, False, 128)
+    assert _name_the_gated_layer(lambda self: _gate_with_int8_output(sglang, attn, gate, inplace=True), layer) == "sglang"
+    handoff.mark(layer, True, 128)
+    assert _name_the_gated_layer(lambda self: _gate_with_int8_output(sglang, attn, gate), layer) == "sglang"  # a copy
+    out = _name_the_gated_layer(lambda self: self.self_attention(), layer)
+    assert out is attn and torch.equal(handoff.take(out)[0].cpu(), quant_reference(out.cpu())[0])
+    assert _gate_with_int8_output(sglang, attn, gate, inplace=True) == "sglang"  # the layer's call is over
+
+
 def test_a_marked_activation_offers_its_rows():
     act, x = torch.nn.Module(), rows(3, 2 * 96, 15)
     handoff.mark(act, True, 96)
@@ -219,11 +255,16 @@ def test_each_layers_producers_of_w8a8_input_are_marked_with_their_projections_r
     drafter = _module(input_layernorm=torch.nn.Module(), post_attention_layernorm=torch.nn.Module(),
                       self_attn=_module(qkv_proj=torch.nn.Linear(64, 96)),
                       mlp=_module(gate_up_proj=w8a8(192, 64), act_fn=torch.nn.Module(), down_proj=w8a8(64, 96)))
-    assert mark_int8_handoffs([gdn, drafter]) == 4 + 2
+    attention = _module(input_layernorm=torch.nn.Module(), post_attention_layernorm=torch.nn.Module(),
+                        qkv_proj=w8a8(160, 64), o_proj=w8a8(64, 128, row_parallel=True),
+                        mlp=_module(gate_up_proj=w8a8(192, 64), act_fn=torch.nn.Module(), down_proj=w8a8(64, 96)))
+    assert mark_int8_handoffs([gdn, drafter, attention]) == 4 + 2 + 4
     marks = {(layer, name): (getattr(module, handoff.MARK), getattr(module, handoff.ROW_WIDTH))
-             for layer, model in (("gdn", gdn), ("drafter", drafter)) for name, module in model.named_modules()
-             if hasattr(module, handoff.MARK)}
-    assert marks == {("gdn", "input_layernorm"): (True, 64), ("gdn", "post_attention_layernorm"): (True, 64),
-                     ("gdn", "mlp.act_fn"): (True, 96), ("gdn", "linear_attn.norm"): (True, 128),
-                     ("drafter", "input_layernorm"): (False, 0), ("drafter", "post_attention_layernorm"): (True, 64),
-                     ("drafter", "mlp.act_fn"): (True, 96)}
+             for layer, model in (("gdn", gdn), ("drafter", drafter), ("attention", attention))
+             for name, module in model.named_modules() if hasattr(module, handoff.MARK)}
+    layer_norms_and_mlp = lambda layer, input_norm: {
+        (layer, "input_layernorm"): input_norm, (layer, "post_attention_layernorm"): (True, 64),
+        (layer, "mlp.act_fn"): (True, 96)}
+    assert marks == {("gdn", ""): (False, 0), ("gdn", "linear_attn.norm"): (True, 128), ("drafter", ""): (False, 0),
+                     ("attention", ""): (True, 128), **layer_norms_and_mlp("gdn", (True, 64)),
+                     **layer_norms_and_mlp("drafter", (False, 0)), **layer_norms_and_mlp("attention", (True, 64))}

@@ -16,9 +16,14 @@ EAGLE and NGRAM only; what qflash changes for DFLASH:
   reach SGLang's kernel, whose rings are the same), the fold as a whole;
 - the causal-conv1d update before the verify: SGLang's kernel steps through the block's tokens one after another;
   qflash's (kernels/conv_update.py) computes the block at once, to the same bits, for the verify's calls
-  (chained blocks saving per-step windows); any other call keeps SGLang's.
-Retire when SGLang runs ReplaySSM under DFLASH with a block-solved verify, per-batch GDN fold tiles and a
-block-at-once conv update.
+  (chained blocks saving per-step windows); any other call keeps SGLang's;
+- the q | k | v split after the conv: SGLang copies each of the three out of the conv output's rows (one kernel a
+  layer) for FLA's chunked prefill, which wants them contiguous; qflash's verify and short prefill read rows through a
+  token stride, so where the conv output's rows are contiguous whole 16-token blocks (the verify's, the fresh-prompt
+  graph's) the split hands out views of them (FLA's chunked path copies strided inputs itself). gdn_backend binds the
+  split on CUDA only; elsewhere the hook binds it first, so every platform installs the same hooks.
+Retire when SGLang runs ReplaySSM under DFLASH with a block-solved verify, per-batch GDN fold tiles, a
+block-at-once conv update and a split its verify kernels need not copy.
 """
 
 from qflash.server.hooks import Hook
@@ -86,6 +91,28 @@ def _conv_update_on_qflash(original, *args, **kwargs):
     return (conv_update.conv_update if conv_update.takes(*args, **kwargs) else original)(*args, **kwargs)
 
 
+def _verify_reads_conv_rows(original, mixed_qkv, num_q_heads, num_k_heads, num_v_heads, head_q, head_k, head_v):
+    from qflash.kernels.gdn_verify import BLOCK_STEPS
+
+    widths = [num_q_heads * head_q, num_k_heads * head_k, num_v_heads * head_v]
+    if mixed_qkv.stride(-1) != 1 or mixed_qkv.shape[0] % BLOCK_STEPS or mixed_qkv.shape[-1] != sum(widths):
+        return original(mixed_qkv, num_q_heads, num_k_heads, num_v_heads, head_q, head_k, head_v)
+    heads = zip(mixed_qkv.split(widths, dim=-1), ((num_q_heads, head_q), (num_k_heads, head_k), (num_v_heads, head_v)))
+    return tuple(rows.unflatten(-1, shape)[None] for rows, shape in heads)  # [1, T, heads, dim], a token's row apart
+
+
+class _SplitHook(Hook):
+    """The split's hook, installed where gdn_backend did not bind the split (off CUDA) by binding it first."""
+
+    def install(self):
+        from sglang.kernels.ops.attention import triton_gdn_fused_proj
+        from sglang.srt.layers.attention.linear import gdn_backend
+
+        if not hasattr(gdn_backend, "fused_qkv_split_gdn_prefill"):
+            gdn_backend.fused_qkv_split_gdn_prefill = triton_gdn_fused_proj.fused_qkv_split_gdn_prefill
+        return super().install()
+
+
 FLA = "sglang.kernels.ops.attention.fla."
 CHANGES = [
     Hook("sglang.srt.layers.attention.hybrid_linear_attn_backend.HybridLinearAttnBackend.update_mamba_state_after_mtp_verify",
@@ -94,4 +121,6 @@ CHANGES = [
     Hook(FLA + "fused_sigmoid_gating_recurrent.fused_sigmoid_gating_delta_rule_update", _verify_on_qflash_tiles, "AROUND"),
     Hook(FLA + "gdn_replayssm_spec_fold.commit_gdn_replayssm_fold_all_layers", _fold_on_qflash_tiles, "REPLACE"),
     Hook("sglang.srt.layers.attention.linear.gdn_backend.causal_conv1d_update", _conv_update_on_qflash, "AROUND"),
+    _SplitHook("sglang.srt.layers.attention.linear.gdn_backend.fused_qkv_split_gdn_prefill", _verify_reads_conv_rows,
+               "AROUND"),
 ]

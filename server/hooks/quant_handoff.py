@@ -1,4 +1,5 @@
-"""The norms and SiLU-and-multiply that feed qflash's W8A8 projections, on kernels that also quantize their output.
+"""The norms, SiLU-and-multiply and attention output gate that feed qflash's W8A8 projections, on kernels that also
+quantize their output.
 
 SGLang 0.5.17 runs RMSNorm and GemmaRMSNorm (with their residual add) and SiluAndMul on its CUDA kernels, and
 Gated-DeltaNet's gated output norm on FLA's Triton kernel; qflash's W8A8 GEMM then quantizes each output per
@@ -7,7 +8,9 @@ classes marked (quant/handoff.py `mark`), the forward runs qflash's kernel that 
 int8 rows in one launch, and hands the rows to the projections. Unmarked modules (the final norms, the drafter's
 input norms before its bf16 QKV) and calls the fused kernels do not cover keep SGLang's path. Hooked on each
 class's `forward_cuda` (which each instance binds as its forward when SGLang builds the model), the gated norm's
-`forward`. Retire when SGLang's norms and activations hand a quantized output to int8 W8A8 linears on CUDA, as
+`forward`. The target's attention output gate before o_proj is a function (`fused_sigmoid_mul`, in place), not a
+module: the attention layer names itself around its `self_attention` (the layer is marked under "" in the model's
+INT8_HANDOFFS), and the gate called inside a marked layer writes o_proj's int8 rows too. Retire when SGLang's norms and activations hand a quantized output to int8 W8A8 linears on CUDA, as
 its fused allreduce-norm-quant path does for fp8 linears on ROCm (`_linear_accepts_fp8_tuple`).
 """
 
@@ -61,9 +64,36 @@ def _silu_mul_with_int8_output(original, self, x):
     return out
 
 
+_gated_layer = None  # the attention layer whose self_attention runs now (its output gate's caller)
+
+
+def _name_the_gated_layer(original, self, *args, **kwargs):
+    global _gated_layer
+    if torch.compiler.is_compiling():  # a traced forward has no memory to hand over (quant/handoff.py `take`)
+        return original(self, *args, **kwargs)
+    _gated_layer = self
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        _gated_layer = None
+
+
+def _gate_with_int8_output(original, attn_output, gate, inplace=False):
+    from qflash.kernels import sigmoid_mul_quant
+
+    if (not inplace or _gated_layer is None or not handoff.wanted(_gated_layer, attn_output)
+            or not sigmoid_mul_quant.takes(attn_output, gate)):
+        return original(attn_output, gate, inplace=inplace)
+    x_q, x_scale = sigmoid_mul_quant.sigmoid_mul_quant(attn_output, gate)
+    handoff.offer(attn_output, x_q, x_scale)
+    return attn_output
+
+
 CHANGES = [
     Hook("sglang.srt.layers.layernorm.GemmaRMSNorm.forward_cuda", _rms_norm(gemma=True), "AROUND"),
     Hook("sglang.srt.layers.layernorm.RMSNorm.forward_cuda", _rms_norm(gemma=False), "AROUND"),
     Hook("sglang.kernels.ops.attention.fla.layernorm_gated.RMSNorm.forward", _gated_norm_with_int8_output, "AROUND"),
     Hook("sglang.srt.layers.activation.SiluAndMul.forward_cuda", _silu_mul_with_int8_output, "AROUND"),
+    Hook("sglang.srt.models.qwen3_5.Qwen3_5AttentionDecoderLayer.self_attention", _name_the_gated_layer, "AROUND"),
+    Hook("sglang.srt.models.qwen3_5.fused_sigmoid_mul", _gate_with_int8_output, "AROUND"),
 ]

@@ -23,11 +23,12 @@ from qflash.quant.method import runs_w8a8
 from qflash.server.hooks import gdn_input_proj
 
 logger = logging.getLogger(__name__)
-HANDOFF_LOG = "qflash: {model}: {count} norms and activations hand their int8 rows to W8A8 projections"
+HANDOFF_LOG = "qflash: {model}: {count} norms, activations and gates hand their int8 rows to W8A8 projections"
 MERGE_LOG = "qflash: target: {count} Gated-DeltaNet layers run in_proj_qkvz and in_proj_ba as one GEMM"
 # A decoder layer's producers of projection input -> the projections that read it (the names of either layer type
-# of the target and of the DFlash drafter's layers).
+# of the target and of the DFlash drafter's layers; "" is the layer itself: the target attention's output gate).
 INT8_HANDOFFS = {
+    "": ("o_proj",),
     "input_layernorm": ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba", "qkv_proj"),
     "post_attention_layernorm": ("mlp.gate_up_proj",),
     "mlp.act_fn": ("mlp.down_proj",),
