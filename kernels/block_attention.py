@@ -82,15 +82,27 @@ def _merge_block_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kv_indptr, acc_ptr, ml_ptr, 
     # One program per (request, query head, BLOCK_DV value columns). The splits' maxima come first, so each
     # split's weight is known before its partial sums are read: those loads (CHUNK splits at a time, unrolled)
     # do not wait on one another, where a running rescale would chain one load latency per split.
-    pdl.enter(PDL)
+    # The block's own scores come first, before the PDL wait: the split kernel, always the launch just before this
+    # one, writes only the partials; q, k and the lengths were written before it (pdl.load_settled).
     b = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
-    plen = tl.load(kv_indptr + b + 1) - tl.load(kv_indptr + b)
-    per = tl.maximum(tl.cdiv(tl.cdiv(plen, NSPLIT), BLOCK_N) * BLOCK_N, 1)
-    splits = tl.cdiv(plen, per)  # the splits that held keys (the split kernel's rule)
+    plen = pdl.load_settled(kv_indptr + b + 1) - pdl.load_settled(kv_indptr + b)
     offs_m = tl.arange(0, L)
     offs_d = tl.arange(0, D)
+    rows = b * L + offs_m
+    q = pdl.load_settled(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :])
+    k = pdl.load_settled(k_ptr + rows[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None])
+    qk = tl.dot(q.to(DOT_DTYPE), k.to(DOT_DTYPE)) * sm_scale
+    visible = offs_m[:, None] >= 0
+    if CAUSAL:
+        visible = offs_m[:, None] >= offs_m[None, :]
+    if WINDOW > 0:
+        visible = visible & (offs_m[:, None] <= offs_m[None, :] + WINDOW)
+    qk = tl.where(visible, qk, float("-inf"))
+    pdl.enter(PDL)
+    per = tl.maximum(tl.cdiv(tl.cdiv(plen, NSPLIT), BLOCK_N) * BLOCK_N, 1)
+    splits = tl.cdiv(plen, per)  # the splits that held keys (the split kernel's rule)
     offs_dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     offs_s = tl.arange(0, NSPLIT)
     first = (b * tl.num_programs(1) + h) * NSPLIT  # this head's first partial
@@ -109,16 +121,6 @@ def _merge_block_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kv_indptr, acc_ptr, ml_ptr, 
         w_c = tl.exp(tl.load(ml_ptr + (first + s)[:, None] * 2 * L + offs_m[None, :], mask=(s < splits)[:, None],
                              other=NEG) - m_i[None, :])
         acc += tl.sum(a * w_c[:, :, None], 0)
-    rows = b * L + offs_m
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :])
-    k = tl.load(k_ptr + rows[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None])
-    qk = tl.dot(q.to(DOT_DTYPE), k.to(DOT_DTYPE)) * sm_scale
-    visible = offs_m[:, None] >= 0
-    if CAUSAL:
-        visible = offs_m[:, None] >= offs_m[None, :]
-    if WINDOW > 0:
-        visible = visible & (offs_m[:, None] <= offs_m[None, :] + WINDOW)
-    qk = tl.where(visible, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(qk - m_new[:, None])

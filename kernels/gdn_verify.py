@@ -43,7 +43,7 @@ def _program_sequence(cu_seqlens, H: tl.constexpr, HV: tl.constexpr):
     """This program's value-column tile, request, value head and key head, and the request's tokens [bos, eos)."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_hv = i_nh // HV, i_nh % HV
-    bos, eos = tl.load(cu_seqlens + i_n).to(tl.int64), tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    bos, eos = pdl.load_settled(cu_seqlens + i_n).to(tl.int64), pdl.load_settled(cu_seqlens + i_n + 1).to(tl.int64)
     return i_v, i_n, i_hv, i_hv // (HV // H), bos, eos
 
 
@@ -86,27 +86,30 @@ def _gdn_verify_kernel(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, 
                    rawv, rawk, ring_g, ring_beta, stride_rawv_slot, stride_rawk_slot, stride_g_slot,
                    stride_beta_slot, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BV: tl.constexpr, BT: tl.constexpr, MAX_CACHE_LEN: tl.constexpr, PDL: tl.constexpr):
-    pdl.enter(PDL)
+    # Before the PDL wait: the state (the last commit's fold wrote it), the lengths and slots, and the gates, whose
+    # inputs a and b the layer's input GEMM wrote; the conv update that writes q, k, v runs between (pdl.load_settled).
     i_v, i_n, i_hv, i_h, bos, eos = _program_sequence(cu_seqlens, H, HV)
     step = tl.arange(0, BT)
     live = step < eos - bos  # this sequence's steps, at most BT (the launcher's contract)
 
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
-    slot = tl.load(h0_indices + i_n).to(tl.int64)
+    slot = pdl.load_settled(h0_indices + i_n).to(tl.int64)
     tile = i_hv * K * V + o_v[None, :] * K + o_k[:, None]
-    b_h = tl.load(h0_source + slot * stride_h0_source + tile, mask=(slot >= 0) & (tile >= 0), other=0.0)  # as the fold
+    b_h = pdl.load_settled(h0_source + slot * stride_h0_source + tile, mask=(slot >= 0) & (tile >= 0),  # as the fold
+                           other=0.0)
+    b_b = pdl.load_settled(b + (bos + step) * stride_b + i_hv, mask=live, other=0.0).to(tl.float32)
+    b_a = pdl.load_settled(a + (bos + step) * stride_a + i_hv, mask=live, other=0.0).to(tl.float32)
+    x = b_a + pdl.load_weights(dt_bias + i_hv).to(tl.float32)
+    beta_x = softplus_beta * x
+    softplus_x = tl.where(beta_x <= softplus_threshold, (1.0 / softplus_beta) * tl.log(1.0 + tl.exp(beta_x)), x)
+    b_g = tl.where(live, -tl.exp(pdl.load_weights(A_log + i_hv).to(tl.float32)) * softplus_x, 0.0)
+    b_beta = tl.where(live, 1.0 / (1.0 + tl.exp(-b_b)), 0.0)
+    pdl.enter(PDL)
     row = (bos + step)[:, None]
     b_q = tl.load(q + row * stride_q + i_h * K + o_k[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     b_k = tl.load(k + row * stride_k + i_h * K + o_k[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     b_v = tl.load(v + row * stride_v + i_hv * V + o_v[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    b_b = tl.load(b + (bos + step) * stride_b + i_hv, mask=live, other=0.0).to(tl.float32)
-    b_a = tl.load(a + (bos + step) * stride_a + i_hv, mask=live, other=0.0).to(tl.float32)
-    x = b_a + tl.load(dt_bias + i_hv).to(tl.float32)
-    beta_x = softplus_beta * x
-    softplus_x = tl.where(beta_x <= softplus_threshold, (1.0 / softplus_beta) * tl.log(1.0 + tl.exp(beta_x)), x)
-    b_g = tl.where(live, -tl.exp(tl.load(A_log + i_hv).to(tl.float32)) * softplus_x, 0.0)
-    b_beta = tl.where(live, 1.0 / (1.0 + tl.exp(-b_b)), 0.0)
 
     ringed = live & (step < MAX_CACHE_LEN) & (slot >= 0)  # the fold's ring: steps past it are never committed
     ring_v = rawv + slot * stride_rawv_slot + (i_hv * MAX_CACHE_LEN + step[:, None]) * V + o_v[None, :]

@@ -4,8 +4,13 @@ At M = 16 a cycle's ~700 kernels are mostly latency: each waits for the one befo
 own launch and ramp. Launched with PDL, a kernel's programs may start while the previous kernel's last programs
 run; `enter` makes each wait (griddepcontrol.wait: the previous grid complete, its writes visible) before it
 touches memory, then lets the next kernel launch. Every qflash kernel calls `enter` first thing; a kernel of
-SGLang's launched after ours without PDL waits for ours as usual. Weights, which no kernel writes while serving, may
-be loaded before `enter` (`load_weights`). Off in Triton's interpreter (no inline asm) and before sm90.
+SGLang's launched after ours without PDL waits for ours as usual. Two kinds of loads may come before `enter`:
+- weights, which no kernel writes while serving (`load_weights`);
+- what kernels two or more launches back wrote (`load_settled`): a kernel starts only once every program of the one
+  before it has passed its own `enter` (or, for a kernel without PDL, has ended), so the kernel before that one has
+  completed. The load goes to L2 (`.cg`), where that kernel's writes are, not to a stale L1 line. A kernel using it
+  names the writer it relies on.
+Off in Triton's interpreter (no inline asm) and before sm90.
 """
 
 import functools
@@ -24,9 +29,15 @@ def enter(ON: tl.constexpr):
 
 
 @triton.jit
-def load_weights(ptrs, mask):
+def load_weights(ptrs, mask=None, other=None):
     """A load that may come before `enter`: of weights, which no kernel writes while serving."""
-    return tl.load(ptrs, mask=mask, other=0)
+    return tl.load(ptrs, mask=mask, other=other)
+
+
+@triton.jit
+def load_settled(ptrs, mask=None, other=None):
+    """A load that may come before `enter`: of what a kernel two or more launches back wrote."""
+    return tl.load(ptrs, mask=mask, other=other, cache_modifier=".cg")
 
 
 def _index(device: torch.device) -> int:

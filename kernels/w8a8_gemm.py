@@ -62,7 +62,7 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, w
     if EARLY_TILE:
         # The weights do not depend on the kernel before: the first tile's loads leave before the wait, while the
         # kernel before runs (under PDL this one's programs sit resident meanwhile), instead of opening the launch.
-        w = pdl.load_weights(w_cols + (k_lo + offs_k)[:, None], mask_n[None, :] & (k_lo + offs_k < k_hi)[:, None])
+        w = pdl.load_weights(w_cols + (k_lo + offs_k)[:, None], mask_n[None, :] & (k_lo + offs_k < k_hi)[:, None], 0)
     pdl.enter(PDL)
 
     if QUANT_X:
