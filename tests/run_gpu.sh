@@ -16,6 +16,9 @@
 #   BENCH=sys1,sys2,...    qflash bench --systems ... $BENCH_ARGS (e.g. BENCH_ARGS="--profile-steps 0")
 #   SWITCH_AB=sw1,sw2      tests/switch_ab.py --switches ... $SWITCH_AB_ARGS: the test plugin's run-time switches
 #                          (one_cycle_per_step, plan_stream_off, ...) against the default, on one server
+#   DEADLINE=560          seconds of the call the steps may take together (default 560 of the device's 600): each
+#                          step's timeout is cut to what is left, so the results are packed and the Triton cache
+#                          goes back even when the steps ask for more (a call the device stops returns nothing)
 # Device tool: carry [".gpu"] (a copy of ../shared/device, the offline SGLang bundle, and the Triton cache an earlier
 # call returned); bash tests/run_gpu.sh. With ".gpu-router" (tests/fetch_router.sh) carried too, SGLang's router is
 # installed beside the bundle (the replica tests and `--replicas` in the bench need it).
@@ -26,10 +29,16 @@ FINAL=${OUT:-/tmp/qflash-out}
 OUT=/tmp/qflash-stage
 status=0  # non-zero at the end if the tests or a benchmark failed
 mkdir -p "$OUT" "$FINAL"
+DEADLINE=${DEADLINE:-560}
+within() {  # a step's timeout in seconds: what it asks for, at most what is left before DEADLINE (at least 1)
+  local left=$((DEADLINE - SECONDS))
+  echo $(( $1 < left ? $1 : (left > 1 ? left : 1) ))
+}
 pack() {  # after each step: a call stopped at its time limit still brings back what the steps before it made
   tar czf "$FINAL/run.tgz" -C "$OUT" .
   cp "$OUT/results.md" "$FINAL/" 2>/dev/null
 }
+pkill -f sglang.launch_server  # a server an earlier call left on a machine still warm holds the tests' ports
 bash .gpu/install.sh /tmp/site >/dev/null && export PYTHONPATH=/tmp/site
 [ -f .gpu-router/sglang-router.tar.xz ] && tar -xJf .gpu-router/sglang-router.tar.xz -C /tmp/site
 # A Triton cache from an earlier call (its $OUT/triton-cache.tar.xz, copied into .gpu/) spares each server start its
@@ -41,7 +50,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
 if [ "${TUNE:-0}" = 1 ]; then
   # shellcheck disable=SC2086
-  timeout "${TUNE_TIMEOUT:-330}" python3 -m qflash.server.cli tune ${TUNE_ARGS:-} > "$OUT/tune.log" 2>&1 || status=1
+  timeout "$(within "${TUNE_TIMEOUT:-330}")" python3 -m qflash.server.cli tune ${TUNE_ARGS:-} > "$OUT/tune.log" 2>&1 || status=1
   grep -E "wrote|tuned in" "$OUT/tune.log"
   cp kernels/w8a8_gemm.py kernels/w8a16_gemm.py kernels/w8a16_argmax.py "$OUT/"
   pack
@@ -55,11 +64,12 @@ if [ "${TESTS:-}" != 0 ]; then
   if [ "${STABLE:-1}" != 0 ]; then
     # the stable-choice checkpoint the GPU tests serve (conftest.stable_checkpoint), built here to show its time
     start=$SECONDS
-    (cd tests && python3 -c "from conftest import stable_checkpoint; stable_checkpoint()") > "$OUT/make-dummy.log" 2>&1 || status=1
+    (cd tests && timeout "$(within 300)" python3 -c "from conftest import stable_checkpoint; stable_checkpoint()") \
+      > "$OUT/make-dummy.log" 2>&1 || status=1
     echo "make-dummy --stable: $((SECONDS - start)) s"
   fi
   eval "pytest_args=(${TESTS:--m gpu tests})"
-  timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest "${pytest_args[@]}" -v -s -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1 || status=1
+  timeout "$(within "${TESTS_TIMEOUT:-420}")" python3 -m pytest "${pytest_args[@]}" -v -s -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1 || status=1
   grep -E "FAILED|ERROR|ready after|passed|failed|: 4[0-9][0-9] |losslessness|accept length|argmax =|stable checkpoint|drafter KV|soak:|^prompt [0-9]+:|qflash_tiny|hooks applied|refusing|deselected|no tests ran|prompts over cached" "$OUT/gpu-tests.log"
   pkill -f sglang.launch_server; sleep 3
   find /tmp/pytest-of-* "$QFLASH_CACHE/logs" \( -name '*.log' -o -name '*.out' \) -print0 2>/dev/null | tar czf "$OUT/server-logs.tgz" --null -T - 2>/dev/null
@@ -68,7 +78,7 @@ fi
 
 if [ "${BENCH_KERNELS:-0}" = 1 ]; then
   # shellcheck disable=SC2086
-  timeout "${BENCH_KERNELS_TIMEOUT:-240}" python3 -m qflash.server.cli bench-kernels --out /tmp/kbench ${BENCH_KERNELS_ARGS:-} > /tmp/kbench.log 2>&1 || status=1
+  timeout "$(within "${BENCH_KERNELS_TIMEOUT:-240}")" python3 -m qflash.server.cli bench-kernels --out /tmp/kbench ${BENCH_KERNELS_ARGS:-} > /tmp/kbench.log 2>&1 || status=1
   tail -n 20 /tmp/kbench.log
   cp /tmp/kbench/kernels.md /tmp/kbench/kernels.json "$OUT/" 2>/dev/null
 fi
@@ -81,7 +91,7 @@ if [ -n "${AB_TREE:-}" ]; then
     side=$([ "$tree" = . ] && echo checkout || echo "ref-${tree#.}")
     python3 -m pip install -q --no-deps --no-build-isolation -e "$tree" || exit 1
     # shellcheck disable=SC2086
-    timeout "${AB_TIMEOUT:-250}" python3 -m qflash.server.cli bench --systems qflash --out "/tmp/ab-$side" ${AB_ARGS:-} \
+    timeout "$(within "${AB_TIMEOUT:-250}")" python3 -m qflash.server.cli bench --systems qflash --out "/tmp/ab-$side" ${AB_ARGS:-} \
       > "/tmp/ab-$side.log" 2>&1 || status=1
     tail -n 8 "/tmp/ab-$side/results.md"
     cp "/tmp/ab-$side/run.json" "$OUT/ab-$side.json" 2>/dev/null
@@ -92,7 +102,7 @@ fi
 
 if [ -n "${BENCH:-}" ]; then
   # shellcheck disable=SC2086
-  timeout "${BENCH_TIMEOUT:-480}" python3 -m qflash.server.cli bench --systems "$BENCH" --out /tmp/bench ${BENCH_ARGS:-} > /tmp/bench.log 2>&1 || status=1
+  timeout "$(within "${BENCH_TIMEOUT:-480}")" python3 -m qflash.server.cli bench --systems "$BENCH" --out /tmp/bench ${BENCH_ARGS:-} > /tmp/bench.log 2>&1 || status=1
   tail -n 40 /tmp/bench.log
   pkill -f sglang.launch_server
   cp /tmp/bench/results.json /tmp/bench/results.md /tmp/bench/run.json /tmp/bench/latency.png /tmp/bench/workloads.png "$OUT/" 2>/dev/null
@@ -105,7 +115,7 @@ if [ -n "${BENCH:-}" ]; then
 fi
 if [ -n "${SWITCH_AB:-}" ]; then
   # shellcheck disable=SC2086
-  timeout "${SWITCH_AB_TIMEOUT:-300}" python3 tests/switch_ab.py --switches "$SWITCH_AB" --out /tmp/switch-ab ${SWITCH_AB_ARGS:-} \
+  timeout "$(within "${SWITCH_AB_TIMEOUT:-300}")" python3 tests/switch_ab.py --switches "$SWITCH_AB" --out /tmp/switch-ab ${SWITCH_AB_ARGS:-} \
     > /tmp/switch-ab.log 2>&1 || status=1
   tail -n 20 /tmp/switch-ab.log
   cp /tmp/switch-ab/ab.md /tmp/switch-ab/ab.json "$OUT/" 2>/dev/null
