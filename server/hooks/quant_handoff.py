@@ -10,8 +10,9 @@ input norms before its bf16 QKV) and calls the fused kernels do not cover keep S
 class's `forward_cuda` (which each instance binds as its forward when SGLang builds the model), the gated norm's
 `forward`. The target's attention output gate before o_proj is a function (`fused_sigmoid_mul`, in place), not a
 module: the attention layer names itself around its `self_attention` (the layer is marked under "" in the model's
-INT8_HANDOFFS), and the gate called inside a marked layer writes o_proj's int8 rows too. Retire when SGLang's norms and activations hand a quantized output to int8 W8A8 linears on CUDA, as
-its fused allreduce-norm-quant path does for fp8 linears on ROCm (`_linear_accepts_fp8_tuple`).
+INT8_HANDOFFS), and the gate called inside a marked layer writes o_proj's int8 rows too. Retire when SGLang's norms,
+activations and gates hand a quantized output to int8 W8A8 linears on CUDA, as its fused allreduce-norm-quant path
+does for fp8 linears on ROCm (`_linear_accepts_fp8_tuple`).
 """
 
 import torch
