@@ -195,13 +195,16 @@ def test_flas_chunked_prefill_of_row_views_is_that_of_copies_gpu():
     from sglang.kernels.ops.attention.triton_gdn_fused_proj import fused_qkv_split_gdn_prefill as sglang_split
 
     from qflash.server.hooks.gdn_verify import _verify_reads_conv_rows
+    from qflash.server.preset import TEXT_CONFIG
 
-    heads, tokens = (16, 16, 32, 128, 128, 128), 320  # Qwen3.5-4B's GDN heads
+    k_heads, dk = TEXT_CONFIG["linear_num_key_heads"], TEXT_CONFIG["linear_key_head_dim"]
+    v_heads, dv = TEXT_CONFIG["linear_num_value_heads"], TEXT_CONFIG["linear_value_head_dim"]
+    heads, tokens = (k_heads, k_heads, v_heads, dk, dk, dv), 320  # Qwen3.5-4B's GDN heads
     g = torch.Generator(device="cuda").manual_seed(3)
-    rows = torch.randn(tokens, 2 * 16 * 128 + 32 * 128, device="cuda", generator=g).to(torch.bfloat16)
-    gate = -torch.rand(1, tokens, 32, device="cuda", generator=g)
-    beta = torch.rand(1, tokens, 32, device="cuda", generator=g)
-    state = torch.randn(3, 32, 128, 128, device="cuda", generator=g) * 0.1
+    rows = torch.randn(tokens, 2 * k_heads * dk + v_heads * dv, device="cuda", generator=g).to(torch.bfloat16)
+    gate = -torch.rand(1, tokens, v_heads, device="cuda", generator=g)
+    beta = torch.rand(1, tokens, v_heads, device="cuda", generator=g)
+    state = torch.randn(3, v_heads, dv, dk, device="cuda", generator=g) * 0.1
     slot = torch.tensor([1], device="cuda", dtype=torch.int32)
 
     def prefill(q, k, v):
