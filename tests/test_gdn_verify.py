@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import run_python
+from conftest import REPO, run_python
 
 VERIFY = """
 import json, sys, torch
@@ -80,14 +80,9 @@ from sglang.srt.plugins import load_plugins
 load_plugins()
 from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
 mine_conv_state, mine_windows, mine_rings = conv_state.clone(), windows(), rings()
+from test_gdn_verify import verify_call
 cache = NS(conv=[mine_conv_state], temporal=h, intermediate_conv_window=[mine_windows], **dict(zip(RING, mine_rings)))
-backend = NS(req_to_token_pool=NS(mamba2_layer_cache=lambda layer_id: cache,
-                                  mamba_pool=NS(replayssm_spec_fold=True, replayssm_is_kda=False)),
-             forward_metadata=NS(query_start_loc=cu, mamba_cache_indices=slots, retrieve_next_token=None,
-                                 retrieve_parent_token=None),
-             kernel_dispatcher=NS(verify_kernel_is_flashinfer=False), verify_intermediate_state_indices=window_slots)
-layer = NS(layer_id=0, conv_weights=conv_weight, bias=conv_bias, activation="silu", A_log=A_log, dt_bias=dt_bias)
-verify_batch = NS(forward_mode=NS(is_target_verify=lambda: True))
+backend, layer, verify_batch = verify_call(cache, conv_weight, conv_bias, A_log, dt_bias, cu, slots, window_slots)
 mine = GDNAttnBackend.forward_extend(backend, layer=layer, forward_batch=verify_batch, mixed_qkv=x, a=a, b=b)
 
 def commit(conv_states, win, last):  # SGLang's commit of the conv: the accepted step's window into the state
@@ -146,7 +141,8 @@ print(json.dumps({"routed": hooked_by(GDNAttnBackend.forward_extend),
 
 def tiled_verify(device: str, batch: int, h: int, hv: int, k: int, v: int) -> dict:
     interpret = {"TRITON_INTERPRET": "1"} if device == "cpu" else {}
-    result = run_python(VERIFY, device, *map(str, (batch, h, hv, k, v)), env={"SGLANG_PLUGINS": "qflash", **interpret},
+    code = f"import sys\nsys.path.insert(0, {str(REPO / 'tests')!r})\n" + VERIFY  # for verify_call
+    result = run_python(code, device, *map(str, (batch, h, hv, k, v)), env={"SGLANG_PLUGINS": "qflash", **interpret},
                         timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -182,21 +178,28 @@ def test_the_verify_block_is_dflashs_block():
     assert gdn_verify.BLOCK_STEPS == preset.BLOCK_SIZE, "every DFLASH verify must reach the block-solved kernel"
 
 
-def stand_ins(**changes) -> tuple:
-    """The GDN backend, layer and batch of a verify qflash's kernel takes (as test VERIFY builds them, with no tensor
-    read): `changes` replaces one of their attributes, named `object.attribute`."""
-    cu = torch.arange(0, 33, 16, dtype=torch.int32)
-    cache = SimpleNamespace(conv=[torch.zeros(4, 8, 3)], temporal=torch.zeros(4, 1), intermediate_conv_window=[None],
-                            replayssm_rawv=torch.zeros(1), replayssm_rawk=None, replayssm_g=None, replayssm_beta=None)
+def verify_call(cache, conv_weight, conv_bias, A_log, dt_bias, query_start_loc, cache_indices, window_indices) -> tuple:
+    """Stand-ins for the GDN backend, layer and forward batch of a verify that SGLang's ring-fold path serves: what
+    `forward_extend`'s verify branch reads, around `cache` (one layer's speculative state) and the layer's weights."""
     backend = SimpleNamespace(
         req_to_token_pool=SimpleNamespace(mamba2_layer_cache=lambda layer_id: cache,
                                           mamba_pool=SimpleNamespace(replayssm_spec_fold=True, replayssm_is_kda=False)),
-        forward_metadata=SimpleNamespace(query_start_loc=cu, mamba_cache_indices=None, retrieve_next_token=None,
-                                         retrieve_parent_token=None),
-        kernel_dispatcher=SimpleNamespace(verify_kernel_is_flashinfer=False), verify_intermediate_state_indices=cu)
-    layer = SimpleNamespace(layer_id=0, conv_weights=torch.zeros(8, 4), bias=None, activation="silu", A_log=None,
-                            dt_bias=None)
-    batch = SimpleNamespace(forward_mode=SimpleNamespace(is_target_verify=lambda: True))
+        forward_metadata=SimpleNamespace(query_start_loc=query_start_loc, mamba_cache_indices=cache_indices,
+                                         retrieve_next_token=None, retrieve_parent_token=None),
+        kernel_dispatcher=SimpleNamespace(verify_kernel_is_flashinfer=False),
+        verify_intermediate_state_indices=window_indices)
+    layer = SimpleNamespace(layer_id=0, conv_weights=conv_weight, bias=conv_bias, activation="silu", A_log=A_log,
+                            dt_bias=dt_bias)
+    return backend, layer, SimpleNamespace(forward_mode=SimpleNamespace(is_target_verify=lambda: True))
+
+
+def stand_ins(**changes) -> tuple:
+    """`verify_call`'s stand-ins of two 16-token requests with no tensor read, and their conv input: `changes`
+    replaces one of their attributes, named `object.attribute`."""
+    cu = torch.arange(0, 33, 16, dtype=torch.int32)
+    cache = SimpleNamespace(conv=[torch.zeros(4, 8, 3)], temporal=torch.zeros(4, 1), intermediate_conv_window=[None],
+                            replayssm_rawv=torch.zeros(1), replayssm_rawk=None, replayssm_g=None, replayssm_beta=None)
+    backend, layer, batch = verify_call(cache, torch.zeros(8, 4), None, None, None, cu, None, cu)
     objects = {"backend": backend, "pool": backend.req_to_token_pool.mamba_pool, "meta": backend.forward_metadata,
                "dispatcher": backend.kernel_dispatcher, "cache": cache, "layer": layer, "batch": batch}
     for name, value in changes.items():
