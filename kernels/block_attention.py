@@ -7,6 +7,7 @@ flash-decoding style, each reading its keys once for all the query heads that sh
 the splits' partial softmax sums and adds the block's own keys (causal for the target, bidirectional for the DFlash
 drafter), with the same sliding-window rule as SGLang's kernel. Its signature is that of SGLang's
 `verify_splitkv_fwd` (the Triton backend's verify hook): it returns False, doing nothing, for a case it does not serve.
+q, k and v are read through their row and head strides, so the column slices of a qkv projection need no copy.
 """
 
 import os

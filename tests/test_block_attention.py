@@ -1,10 +1,16 @@
 """Split-KV block attention (kernels/block_attention.py) against float64 attention on small shapes (CPU:
 Triton's interpreter), with ragged prefixes, causal and bidirectional blocks and a sliding window that cuts
 into the prefix. Agreement with SGLang's extend kernel at the real shapes: test_block_attention_gpu.py
-(SGLang's kernel multiplies bf16 operands, which the interpreter cannot)."""
+(SGLang's kernel multiplies bf16 operands, which the interpreter cannot). The route: SGLang's Triton backend, with
+qflash's plugin loaded, serves verify forwards with it on the block's k and v as the model hands them."""
+
+import json
+from types import SimpleNamespace
 
 import pytest
 import torch
+
+from conftest import run_python
 
 from qflash.kernels import block_attention as ba
 
@@ -77,14 +83,139 @@ def test_cases_it_does_not_serve_are_left_to_sglang():
     assert p["o_extend"].abs().max() == 0  # nothing was written
 
 
-def test_the_plugin_puts_block_attention_behind_sglangs_verify_hook():
-    from types import SimpleNamespace
+ROUTE = """
+import json, sys, torch
+from types import SimpleNamespace as NS
+from torch.utils._python_dispatch import TorchDispatchMode
+from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from qflash.kernels import block_attention as ba
 
+attn_type, window, dev = AttentionType[sys.argv[1]], int(sys.argv[2]), sys.argv[3]
+ba.CONFIGS = {(64, 64): dict(NSPLIT=4, BLOCK_N=16, num_warps=4, num_stages=2)}
+HEADS, KV_HEADS, DIM, BLOCK, POOL = 4, 2, 64, 16, 128
+g = torch.Generator().manual_seed(0)
+rand = lambda *shape: torch.randn(*shape, generator=g).to(torch.bfloat16).to(dev)
+prefixes = [37, 5]
+T = BLOCK * len(prefixes)
+slots = torch.randperm(POOL, generator=g).to(dev)
+prefix_slots, block_slots = slots[:sum(prefixes)], slots[sum(prefixes):sum(prefixes) + T]
+indptr = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+# a sliding-window layer reads the window's own indices (the last 20 keys of each prefix here)
+kept = [min(n, 20) for n in prefixes]
+window_slots = torch.cat([prefix_slots[s + n - w:s + n] for s, n, w in zip([0, 37], prefixes, kept)])
+meta = NS(qo_indptr=indptr([BLOCK] * len(prefixes)), kv_indptr=indptr(prefixes), kv_indices=prefix_slots,
+          window_kv_indptr=indptr(kept), window_kv_indices=window_slots, window_kv_offsets=None, custom_mask=None,
+          mask_indptr=None, max_extend_len=BLOCK, swa_out_cache_loc=None, out_cache_loc_full_physical=None)
+layer = NS(layer_id=0, tp_q_head_num=HEADS, tp_k_head_num=KV_HEADS, qk_head_dim=DIM, v_head_dim=DIM, k_scale=None,
+           v_scale=None, is_cross_attention=False, attn_type=attn_type, sliding_window_size=window,
+           logit_capping_method="tanh", logit_cap=0.0, scaling=DIM ** -0.5, xai_temperature_len=-1)
+batch = NS(forward_mode=ForwardMode.TARGET_VERIFY, out_cache_loc=block_slots)
+k_cache, v_cache = rand(POOL, KV_HEADS, DIM), rand(POOL, KV_HEADS, DIM)
+# q | k | v of one projection, as the model hands them to the attention: column slices, k and v viewed by head
+q, k, v = rand(T, (HEADS + 2 * KV_HEADS) * DIM).split([HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=1)
+k, v = k.view(T, KV_HEADS, DIM), v.view(T, KV_HEADS, DIM)
+
+class Pool:
+    def __init__(self):
+        self.k, self.v = k_cache.clone(), v_cache.clone()
+    def get_key_buffer(self, layer_id):
+        return self.k
+    def get_value_buffer(self, layer_id):
+        return self.v
+    def set_kv_buffer(self, layer, loc, k, v):
+        self.k[loc.loc], self.v[loc.loc] = k, v
+
+def never(*args, **kwargs):
+    raise AssertionError("SGLang's extend kernel ran")
+
+def backend(**route):
+    b = TritonAttnBackend.__new__(TritonAttnBackend)
+    vars(b).update(page_size=1, dcp_size=1, enable_deterministic=False, allow_bidirectional_attention_in_extend=False,
+                   token_to_kv_pool=Pool(), forward_metadata=meta, req_to_token_pool=NS(size=4),
+                   extend_attention_fwd=never, **route)
+    return b
+
+class Copies(TorchDispatchMode):  # which of k and v a forward copies
+    def __init__(self):
+        super().__init__()
+        self.copied = []
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.clone.default:
+            self.copied += [name for name, t in (("k", k), ("v", v)) if args[0].data_ptr() == t.data_ptr()]
+        return func(*args, **(kwargs or {}))
+
+def forward(b):
+    with Copies() as copies:
+        o = TritonAttnBackend.forward_extend(b, q, k, v, layer, batch)
+    return o, copies.copied
+
+# SGLang's route: its verify hook handed copies of k and v (qflash's kernel behind it, as before this change)
+stock = backend(use_verify_splitkv=True, verify_splitkv_fwd=ba.block_attention)
+stock_o, stock_copies = forward(stock)
+from sglang.srt.plugins import load_plugins
+load_plugins()
+mine = backend(use_verify_splitkv=False, verify_splitkv_fwd=never)
+mine_o, mine_copies = forward(mine)
+print(json.dumps({"output equal": torch.equal(stock_o, mine_o), "output written": bool(mine_o.abs().sum() > 0),
+                  "kv equal": torch.equal(stock.token_to_kv_pool.k, mine.token_to_kv_pool.k)
+                              and torch.equal(stock.token_to_kv_pool.v, mine.token_to_kv_pool.v),
+                  "block written": torch.equal(mine.token_to_kv_pool.v[block_slots], v),
+                  "copies": [stock_copies, mine_copies]}))
+"""
+
+
+@pytest.mark.parametrize("attn_type, window", [("DECODER", -1), ("DECODER", 20), ("ENCODER_ONLY", -1)],
+                         ids=["target", "draft-window", "draft-full"])
+def test_verify_forwards_run_block_attention_on_k_and_v_uncopied(attn_type, window):
+    """SGLang's Triton backend, hooked, serves a verify forward with qflash's kernel on the block's k and v as the
+    model hands them (strided column slices of the qkv projection): SGLang's route handed the same kernel copies.
+    Same output and KV cache bit for bit; the copies are gone."""
+    result = run_python(ROUTE, attn_type, str(window), DEVICE, env={"SGLANG_PLUGINS": "qflash"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found == {"output equal": True, "output written": True, "kv equal": True, "block written": True,
+                     "copies": [["k", "v"], []]}
+
+
+def stand_ins(**changes) -> tuple:
+    """A verify forward the hook serves, with no tensor read: backend, layer, batch; `changes` replaces one of their
+    attributes, named `object.attribute`."""
+    objects = {"backend": SimpleNamespace(page_size=1, dcp_size=1, enable_deterministic=False),
+               "layer": SimpleNamespace(k_scale=None),
+               "batch": SimpleNamespace(forward_mode=SimpleNamespace(is_target_verify=lambda: True))}
+    for name, value in changes.items():
+        owner, attribute = name.split(".")
+        setattr(objects[owner], attribute, value)
+    return objects["backend"], objects["layer"], objects["batch"]
+
+
+@pytest.mark.parametrize("changes, k, sinks", [
+    ({"batch.forward_mode": SimpleNamespace(is_target_verify=lambda: False)}, 1, None),  # a prefill
+    ({}, None, None),  # no new KV (a layer sharing another's)
+    ({"backend.page_size": 16}, 1, None),  # kv_indices would hold pages
+    ({"layer.k_scale": 0.5}, 1, None),  # scaled KV
+    ({"backend.dcp_size": 2}, 1, None),
+    ({"backend.enable_deterministic": True}, 1, None),
+    ({"batch._attn_output": 1}, 1, None),
+    ({}, 1, torch.zeros(1)),  # attention sinks
+])
+def test_forwards_the_hook_does_not_serve_run_sglangs_code(changes, k, sinks):
+    from qflash.server.hooks.attention import _block_on_strided_kv
+
+    backend, layer, batch = stand_ins(**changes)
+    called = _block_on_strided_kv(lambda *args, **kwargs: "sglang", backend, None, k, k, layer, batch, sinks=sinks)
+    assert called == "sglang"
+
+
+def test_a_block_the_kernel_declines_runs_sglangs_attention_on_the_written_kv(monkeypatch):
     from qflash.server.hooks import attention
 
-    backend = SimpleNamespace(page_size=1, use_verify_splitkv=False, verify_splitkv_fwd=None, extend_attention_fwd=None)
-    attention._use_qflash_attention(None, backend)
-    assert backend.use_verify_splitkv and backend.verify_splitkv_fwd.__wrapped__ is ba.block_attention
-    paged = SimpleNamespace(page_size=16, use_verify_splitkv=False, verify_splitkv_fwd=None, extend_attention_fwd=None)
-    attention._use_qflash_attention(None, paged)  # kv_indices would hold pages: left to SGLang
-    assert not paged.use_verify_splitkv
+    monkeypatch.setattr(attention, "_block_attention", lambda *args: None)
+    writes = []
+    monkeypatch.setattr(attention, "_write_kv", lambda *args: writes.append(args))
+    backend, layer, batch = stand_ins()
+    calls = []
+    attention._block_on_strided_kv(lambda *args, **kwargs: calls.append(kwargs), backend, None, 1, 1, layer, batch)
+    assert len(writes) == 1 and [c["save_kv_cache"] for c in calls] == [False]

@@ -27,3 +27,19 @@ def test_block_attention_agrees_with_sglangs_extend_kernel(heads, kv_heads, dim,
                          causal, None, 16, 1.0, 1.0, sliding_window_size=window)
     diff = (ours["o_extend"].float() - theirs["o_extend"].float()).abs()
     assert diff.max().item() < 0.02 and diff.mean().item() < 1e-3
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim, causal, window", [(16, 4, 256, True, -1), (32, 8, 128, False, 4095)],
+                         ids=["target", "draft-window"])
+def test_strided_k_and_v_give_the_bits_of_their_copies(heads, kv_heads, dim, causal, window):
+    """The verify route hands the kernel the block's q, k and v as column slices of one qkv projection's output."""
+    ours = problem([3000, 64], heads, kv_heads, dim, pool=3200)
+    rows = ours["q_extend"].shape[0]
+    qkv = torch.cat([ours[name].reshape(rows, -1) for name in ("q_extend", "k_extend", "v_extend")], dim=1)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+    strided = dict(ours, q_extend=q.view(rows, heads, dim), k_extend=k.view(rows, kv_heads, dim),
+                   v_extend=v.view(rows, kv_heads, dim), o_extend=torch.zeros_like(ours["o_extend"]))
+    assert not strided["k_extend"].is_contiguous() and not strided["v_extend"].is_contiguous()
+    assert block_attention(**ours, is_causal=causal, sliding_window_size=window, max_bs=8)
+    assert block_attention(**strided, is_causal=causal, sliding_window_size=window, max_bs=8)
+    assert torch.equal(ours["o_extend"], strided["o_extend"])

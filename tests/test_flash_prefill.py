@@ -145,6 +145,6 @@ def test_the_plugin_wraps_the_backends_extend_kernel():
     from qflash.server.hooks import attention
 
     backend = SimpleNamespace(page_size=1, extend_attention_fwd=never_called)
-    attention._use_qflash_attention(None, backend)
+    attention._wrap_prefill_kernel(None, backend)
     assert backend.extend_attention_fwd.__wrapped__.func is fp.flash_prefill
     assert backend.extend_attention_fwd.__wrapped__.args == (never_called,)

@@ -3,7 +3,7 @@
 import pytest
 
 from qflash.server.cli import parser
-from qflash.server.tools.profile import family, launch_groups, own_times, render, summarize
+from qflash.server.tools.profile import family, launch_groups, own_times, render, short_name, summarize
 
 
 def kernel(name, ts, dur, cat="kernel", corr=None):
@@ -53,18 +53,35 @@ def test_summary_per_step_with_idle_time_and_overlapping_streams():
     assert s["families"]["Gated-DeltaNet"] == pytest.approx(0.1) and s["families"]["qflash fused argmax"] == pytest.approx(0.05)
     assert sum(s["families"].values()) == pytest.approx(s["gpu_busy_ms"])
     assert s["top_other"] == [("mystery", pytest.approx(0.05))]
+    assert s["top_kernels"][0] == ("_w8a8_gemm_kernel", "qflash W8A8 GEMM", 0.5, pytest.approx(0.15))  # a cycle a step
+    assert [n for n, *_ in s["top_kernels"]] == ["_w8a8_gemm_kernel", "fused_recurrent_gated_delta_rule_fwd_kernel",
+                                                 "_per_token_quant_kernel", "_w8a16_argmax_kernel", "Memcpy HtoD", "mystery"]
     assert s["launches"] == {"eager kernels": pytest.approx(0.45)}  # no graph replays in this trace: all of busy
     assert s["kernels_per_cycle"] == 3 and s["family_kernels_per_cycle"]["qflash W8A8 GEMM"] == 0.5  # a cycle a step
     table = render(s, "title")
     assert "| qflash W8A8 GEMM | 0.150 | 15% | 0.5 | 0.150 |" in table and "| GPU idle | 0.550 | 55% | | |" in table
     assert "2 cycles, GPU busy 0.450 ms and 3 kernels per cycle." in table
     assert "| eager kernels | 0.450 | 45% |" in table
+    assert "| `_w8a8_gemm_kernel` | qflash W8A8 GEMM | 0.5 | 0.1500 |" in table
     # against the families' byte floors: times per cycle, floors where a family has one
     table = render(s, "title", {"qflash W8A8 GEMM": 0.1, "Gated-DeltaNet": 0.05})
     assert "| qflash W8A8 GEMM | 0.150 | 15% | 0.5 | 0.150 (0.100, 1.5x) |" in table
     assert "| Gated-DeltaNet | 0.100 | 10% | 0.5 | 0.100 (0.050, 2.0x) |" in table
     assert "| qflash fused argmax | 0.050 | 5% | 0.5 | 0.050 |" in table
     assert "Byte floor 0.150 ms per cycle (3.0x)." in table
+
+
+def test_kernels_are_listed_by_symbol_without_return_type_or_parameters():
+    fill = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<long>, at::detail::Array<char*, 1> >(int, at::native::FillFunctor<long>, at::detail::Array<char*, 1>)"
+    assert short_name(fill) == "at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<long>, at::detail::Array<char*, 1> >"
+    store = "void (anonymous namespace)::store_kvcache<2048l, 2048l, 4, true, long>((anonymous namespace)::StoreKVCacheParams)"
+    assert short_name(store) == "store_kvcache<2048l, 2048l, 4, true, long>"
+    assert short_name("Memcpy DtoD (Device -> Device)") == "Memcpy DtoD" and short_name("_merge_block_kernel") == "_merge_block_kernel"
+    assert short_name("k" * 200) == "k" * 147 + "..."
+    # launches of one kernel under different parameter lists are one row, with the family of the full symbol
+    trace = {"traceEvents": [kernel(store, 0, 10), kernel(store.replace("Params)", "Params, int)"), 10, 20)]}
+    assert summarize(trace, steps=1)["top_kernels"] == [("store_kvcache<2048l, 2048l, 4, true, long>", "other", 2.0,
+                                                         pytest.approx(0.03))]
 
 
 def test_the_byte_floor_of_a_cycle():

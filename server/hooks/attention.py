@@ -2,13 +2,17 @@
 
 - The speculative block (DFlash's verify and its draft block, TARGET_VERIFY forwards): SGLang's Triton backend
   runs it through its extend kernel, which walks the cached prefix serially with one program per (request,
-  head). The backend has a hook for a split-KV verify kernel (`use_verify_splitkv`, switched on for AMD gfx95
-  only); qflash plugs kernels/block_attention.py in there, which declines (returns False) what it does not serve.
+  head), or through a split-KV verify kernel it switches on for AMD gfx95 only (`use_verify_splitkv`), handed
+  `k.contiguous()` and `v.contiguous()`. The block's k and v are column slices of the qkv projection's output
+  (the target's v, the drafter's k and v), so those are copies: 20 launches a cycle. qflash serves these
+  forwards before that call: the backend's KV write as SGLang makes it, then kernels/block_attention.py on the
+  strided rows, which declines (returns False) what it does not serve; that, and every other forward, runs
+  SGLang's `forward_extend`.
 - Fresh prefills (plain causal, nothing cached: a prompt, or a batch of them): the backend keeps its extend kernel
   as an attribute, `extend_attention_fwd`, which is wrapped by kernels/flash_prefill.py (torch's fused SDPA and
-  flash attention); every other extend (cached prefixes, masks, windows, caps, scaled KV, and batches while a CUDA
-  graph is captured) reaches SGLang's kernel unchanged.
-Both are set on each backend as it is built. Retire when SGLang's Triton backend has split-KV verify on CUDA and a
+  flash attention) as each backend is built; every other extend (cached prefixes, masks, windows, caps, scaled
+  KV, and batches while a CUDA graph is captured) reaches SGLang's kernel unchanged.
+Retire when SGLang's Triton backend has split-KV verify on CUDA, handed the block's k and v as they are, and a
 flash prefill path of its own.
 """
 
@@ -19,15 +23,73 @@ import torch
 from qflash.server.hooks import Hook
 
 
-def _use_qflash_attention(result, self, *args, **kwargs):
-    from qflash.kernels.block_attention import block_attention
+def _wrap_prefill_kernel(result, self, *args, **kwargs):
     from qflash.kernels.flash_prefill import flash_prefill
 
-    if self.page_size == 1:  # block_attention reads one KV slot per token
-        self.use_verify_splitkv = True
-        self.verify_splitkv_fwd = torch.compiler.disable(block_attention)
     self.extend_attention_fwd = torch.compiler.disable(functools.partial(flash_prefill, self.extend_attention_fwd))
     return result
 
 
-CHANGES = [Hook("sglang.srt.layers.attention.triton_backend.TritonAttnBackend.__init__", _use_qflash_attention, "AFTER")]
+def _causal(backend, layer) -> bool:
+    """The backend's rule for whether an extend is causal."""
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    return not (layer.is_cross_attention or layer.attn_type == AttentionType.ENCODER_ONLY
+                or (layer.attn_type == AttentionType.DECODER_BIDIRECTIONAL
+                    and backend.allow_bidirectional_attention_in_extend))
+
+
+def _block_on_strided_kv(original, self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None,
+                         score_mod=None, aux_tensors=None):
+    def sglang(save_kv_cache=save_kv_cache):
+        return original(self, q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, sinks=sinks,
+                        score_mod=score_mod, aux_tensors=aux_tensors)
+
+    # the forwards whose attention SGLang would offer its verify hook, with a plain KV write; page_size 1, as
+    # block_attention reads one KV slot per token
+    if not (forward_batch.forward_mode.is_target_verify() and k is not None and v is not None and self.page_size == 1
+            and sinks is None and score_mod is None and layer.k_scale is None and self.dcp_size == 1
+            and not self.enable_deterministic and getattr(forward_batch, "_attn_output", None) is None):
+        return sglang()
+    if save_kv_cache:
+        _write_kv(self, layer, forward_batch, k, v)
+    o = _block_attention(self, q, k, v, layer)
+    return o if o is not None else sglang(save_kv_cache=False)  # the KV is written
+
+
+def _write_kv(backend, layer, forward_batch, k, v) -> None:
+    """The block's k and v into the cache, as the backend writes them."""
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    meta = backend.forward_metadata
+    loc = KVWriteLoc(forward_batch.out_cache_loc, meta.swa_out_cache_loc, full_loc=meta.out_cache_loc_full_physical)
+    backend._set_kv_buffer(forward_batch, layer, loc, k, v)
+
+
+@torch.compiler.disable
+def _block_attention(backend, q, k, v, layer):
+    """The block's attention output [tokens, heads * value dim] by block_attention on k and v as they are; None for
+    what it does not serve. The prefix comes from the backend's metadata: the window's for a sliding-window layer."""
+    from sglang.srt.layers.attention.triton_backend import logit_capping_mod
+
+    from qflash.kernels.block_attention import block_attention
+
+    meta, pool = backend.forward_metadata, backend.token_to_kv_pool
+    windowed = layer.sliding_window_size is not None and layer.sliding_window_size > -1
+    o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+    served = block_attention(
+        q.view(-1, layer.tp_q_head_num, layer.qk_head_dim), k, v, o.view(-1, layer.tp_q_head_num, layer.v_head_dim),
+        pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), meta.qo_indptr,
+        meta.window_kv_indptr if windowed else meta.kv_indptr, meta.window_kv_indices if windowed else meta.kv_indices,
+        meta.custom_mask, _causal(backend, layer), meta.mask_indptr, meta.max_extend_len, 1.0, 1.0, layer.scaling,
+        logit_cap=logit_capping_mod(layer.logit_capping_method, layer.logit_cap),
+        sliding_window_size=layer.sliding_window_size if windowed else -1,
+        window_kv_offsets=meta.window_kv_offsets if windowed else None, xai_temperature_len=layer.xai_temperature_len,
+        max_bs=backend.req_to_token_pool.size)
+    return o if served else None
+
+
+CHANGES = [
+    Hook("sglang.srt.layers.attention.triton_backend.TritonAttnBackend.__init__", _wrap_prefill_kernel, "AFTER"),
+    Hook("sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend", _block_on_strided_kv, "AROUND"),
+]

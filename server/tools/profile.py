@@ -51,6 +51,7 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # torch profiler chrome
 # Host spans summed per step: the scheduler's own annotations (one loop iteration is recv, get-next-batch, run,
 # process-result), the model runner's forward steps inside run_batch, and the CUDA-graph launch calls.
 HOST_SPANS = r"^scheduler\.|^step\[|^copy_result_to_cpu$|^cudaGraphLaunch$"
+TOP_KERNELS = 40  # kernels listed by name: what each family is made of, e.g. torch's elementwise kernels
 SKIP_CHUNKS = 4  # streamed chunks (one per scheduler step) before profiling starts: prefill and first steps excluded
 # tokens of the profiled request: room for the skipped steps and the recorded ones, a window of cycles each
 PROFILED_LEN = 4 * OUTPUT_LEN
@@ -58,6 +59,18 @@ PROFILED_LEN = 4 * OUTPUT_LEN
 
 def family(kernel_name: str) -> str:
     return next((f for f, pattern in FAMILIES if re.search(pattern, kernel_name, re.I)), "other")
+
+
+def short_name(kernel_name: str, width: int = 150) -> str:
+    """A kernel's symbol without its return type and parameter list (template arguments kept: they name a torch
+    kernel's functor), cut to `width` characters."""
+    name, depth = re.sub(r"^void |\(anonymous namespace\)::", "", kernel_name), 0
+    for i, ch in enumerate(name):
+        depth += (ch == "<") - (ch == ">")
+        if ch == "(" and depth == 0:
+            name = name[:i].rstrip()
+            break
+    return name if len(name) <= width else name[:width - 3] + "..."
 
 
 def graph_replays(events: list[dict], kernels: list[dict]) -> tuple[dict[str, list[list[dict]]], list[dict]]:
@@ -116,13 +129,15 @@ def summarize(trace: dict, steps: int) -> dict:
     window_us = max(e["ts"] + e["dur"] for e in kernels) - start
     own = own_times(kernels)
     busy_us = sum(own.values())
-    per_family, counts, other = {}, {}, {}
+    per_family, counts, other, per_kernel = {}, {}, {}, {}
     for e in kernels:
         name = family(e["name"])
         per_family[name] = per_family.get(name, 0.0) + own[id(e)]
         counts[name] = counts.get(name, 0) + 1
         if name == "other":
             other[e["name"]] = other.get(e["name"], 0.0) + own[id(e)]
+        us, launches, _ = per_kernel.get(short_name(e["name"]), (0.0, 0, name))
+        per_kernel[short_name(e["name"])] = (us + own[id(e)], launches + 1, name)
     host = {}
     for e in events:
         if e.get("cat") in ("user_annotation", "cuda_runtime") and "dur" in e and re.search(HOST_SPANS, e.get("name", "")):
@@ -139,6 +154,9 @@ def summarize(trace: dict, steps: int) -> dict:
         "family_kernels_per_cycle": {f: counts[f] / cycles for f in order},
         "launches": {k: v * ms for k, v in sorted(launch_groups(events, kernels, own).items(), key=lambda kv: -kv[1])},
         "top_other": [(n, us * ms) for n, us in sorted(other.items(), key=lambda kv: -kv[1])[:10]],
+        # (kernel, its family, launches per cycle, ms per cycle), the largest first
+        "top_kernels": [(n, f, launches / cycles, us * 1e-3 / cycles)
+                        for n, (us, launches, f) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]],
         "host": {k: v * ms for k, v in sorted(host.items(), key=lambda kv: -kv[1])},
     }
 
@@ -169,6 +187,8 @@ def render(summary: dict, title: str, family_floors: dict[str, float] | None = N
         lines += [f"| `{k}` | {v:.3f} |" for k, v in summary["host"].items()]
     if summary["top_other"]:
         lines += ["", "Largest kernels outside the families: " + ", ".join(f"`{n}` {v:.3f} ms" for n, v in summary["top_other"])]
+    lines += ["", "| kernel | family | launches per cycle | ms per cycle |", "| --- | --- | ---: | ---: |"]
+    lines += [f"| `{n}` | {f} | {launches:.1f} | {ms:.4f} |" for n, f, launches, ms in summary["top_kernels"]]
     return "\n".join(lines) + "\n"
 
 
