@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from qflash.graphs import glue
 from qflash.server.hooks import cycle_graphs, glue_graphs
@@ -144,6 +145,37 @@ def test_the_gdn_commit_runs_on_copies_of_its_fresh_inputs_keyed_by_the_verifys_
     assert seen[-1] is None  # other state slots, no tracking: another layout, run eagerly
 
 
+class Clones(TorchDispatchMode):
+    """Counts the tensor copies (clone, copy_) the code run under it dispatches."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in (torch.ops.aten.clone.default, torch.ops.aten.copy_.default)
+        return func(*args, **(kwargs or {}))
+
+
+def test_inside_a_cycles_capture_the_glue_steps_run_on_their_own_inputs_without_copies(monkeypatch):
+    """The cycle's graph holds every address: copying the steps' fresh inputs into buffers would only add launches."""
+    monkeypatch.setattr(glue._capture, "active", True)
+    seen = []
+    batch = SimpleNamespace(seq_lens=torch.tensor([100, 200]), mamba_track_indices=torch.tensor([7, 8]),
+                            req_pool_indices=torch.tensor([1, 2]))
+    pre, commit = torch.tensor([90, 190]), torch.tensor([5, 6], dtype=torch.int32)
+    buffers = dict(glue_graphs._STATIC)  # the steps' buffers other tests made
+    with Clones() as clones:
+        glue_graphs._gdn_commit_in_a_graph(lambda self, **kw: seen.append(kw), gdn_worker(torch.tensor([3, 4])),
+                                           batch=batch, seq_lens_pre_verify=pre, commit_lens=commit)
+        hidden, loc = torch.zeros(4, 2), torch.arange(4)
+        glue_graphs._drafter_kv_in_a_graph(lambda self, *args: seen.append(args), drafter(torch.zeros(16, 4)),
+                                           ctx_hidden=hidden, ctx_positions=loc, ctx_cache_loc=loc,
+                                           ctx_cache_loc_2d=loc.view(1, 4), commit_lens=commit)
+    assert seen[0] == {"batch": batch, "seq_lens_pre_verify": pre, "commit_lens": commit} and seen[1][0] is hidden
+    assert clones.count == 0 and glue_graphs._STATIC == buffers and not glue_graphs.GDN_COMMIT.graphs
+
+
 def drafter(workspace):
     helper = SimpleNamespace(_proj_workspace=workspace, _k_workspace=workspace, _v_workspace=workspace,
                              rotary_emb=SimpleNamespace(cos_sin_cache=torch.zeros(8, 4)))
@@ -234,6 +266,19 @@ def test_a_cycle_replays_on_copies_of_its_inputs_and_hands_back_a_new_result_of_
     assert results[3].new_seq_lens is results[1].new_seq_lens  # what the replays rewrite
     assert [p is r.new_seq_lens for p, r in zip(published, results)] == [True] * 4
     assert worker.war_fastpath_runner.war_fastpath_read_done_event is not None
+
+
+def test_a_cycles_capture_hands_the_accept_step_fresh_buffers_not_copies_of_sglangs(monkeypatch):
+    """SGLang's accept kernel writes every element of its output buffers: the graph's own need no copy of the
+    rotating ones' contents."""
+    monkeypatch.setattr(glue._capture, "active", True)
+    monkeypatch.setattr(glue._capture, "embedded", 0)
+    worker = CycleWorker()
+    with Clones() as clones:
+        result, _ = cycle_graphs._captured_cycle(CycleWorker.cycle, worker, cycle_batch([100, 200]))
+    assert result.new_seq_lens.tolist() == [103, 203] and result.next_draft_input.bonus_tokens.tolist() == [6, 7]
+    assert result.new_seq_lens.data_ptr() not in [t.data_ptr() for t in worker.rotating]
+    assert clones.count == 2  # the cycle's own copies into them (the stand-in's accept step), none before
 
 
 def test_the_batch_keeps_its_own_tensors_after_a_cycle(cycle_env):

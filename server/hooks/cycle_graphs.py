@@ -74,8 +74,10 @@ def _captured_cycle(cycle, worker, batch):
     (run_cycle publishes after it); inside a capture, both forwards must have replayed their graphs."""
     if not glue.capturing():
         return cycle(worker, batch, on_publish=None, grammar_barrier=None), batch.out_cache_loc
-    rotating = worker._next_accept_bonus_buffers
-    worker._next_accept_bonus_buffers = lambda bs: tuple(t.clone() for t in rotating(bs))
+    import torch
+
+    rotating = worker._next_accept_bonus_buffers  # SGLang's accept kernel writes every element of these
+    worker._next_accept_bonus_buffers = lambda bs: tuple(torch.empty_like(t) for t in rotating(bs))
     try:
         result = cycle(worker, batch, on_publish=None, grammar_barrier=None)
     finally:

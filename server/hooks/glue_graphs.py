@@ -9,13 +9,14 @@ Their inputs live in buffers whose addresses repeat from cycle to cycle (the ver
 worker's rotating buffers, the pools), except a few fresh tensors per cycle, which are copied into buffers of the
 hook's own first; a graph is keyed by the addresses and shapes of everything else the step reads that can move.
 The commit's key holds the verify's state slots (`forward_metadata`), the write's the fused helper's
-workspaces and RoPE cache, which grow when a longer prefill needs them.
+workspaces and RoPE cache, which grow when a longer prefill needs them. Inside a whole cycle's capture
+(server/hooks/cycle_graphs.py) every address is that graph's: the steps run as SGLang's, without copies.
 Retire when SGLang captures its speculative glue (or the whole cycle) in graphs.
 """
 
 from types import SimpleNamespace
 
-from qflash.graphs.glue import GlueGraphs, layout, static_copies
+from qflash.graphs.glue import GlueGraphs, capturing, layout, static_copies
 from qflash.server.hooks import Hook
 
 GDN_COMMIT = GlueGraphs("the GDN commit after a verify")
@@ -26,7 +27,7 @@ _STATIC: dict = {}  # (step, layout of the fresh inputs) -> the buffers they are
 def _gdn_commit_in_a_graph(original, self, *, batch, seq_lens_pre_verify, commit_lens):
     linear = getattr(self.target_worker.model_runner.attn_backend, "linear_attn_backend", None)
     metadata = getattr(linear, "forward_metadata", None)
-    if metadata is None:
+    if metadata is None or capturing():
         return original(self, batch=batch, seq_lens_pre_verify=seq_lens_pre_verify, commit_lens=commit_lens)
     bs = commit_lens.shape[0]
     s = static_copies(_STATIC, "gdn", seq_lens=batch.seq_lens[:bs], track=batch.mamba_track_indices,
@@ -45,7 +46,8 @@ def drafter_kv_buffers(helper) -> tuple:
 def _drafter_kv_in_a_graph(original, self, ctx_hidden, ctx_positions, ctx_cache_loc, ctx_cache_loc_2d=None,
                            commit_lens=None):
     buffers = drafter_kv_buffers(self._fused_kv_helper)
-    if ctx_cache_loc_2d is None or commit_lens is None or buffers[-1] is None:  # a prefill's write: any length
+    # a prefill's write (any length), or one a whole cycle's capture holds
+    if ctx_cache_loc_2d is None or commit_lens is None or buffers[-1] is None or capturing():
         return original(self, ctx_hidden, ctx_positions, ctx_cache_loc, ctx_cache_loc_2d, commit_lens)
     hidden = static_copies(_STATIC, "drafter_kv", ctx_hidden=ctx_hidden).ctx_hidden  # fresh from the projection each cycle
     key = layout(hidden, ctx_positions, ctx_cache_loc, ctx_cache_loc_2d, commit_lens, *buffers)
