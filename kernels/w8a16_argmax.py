@@ -1,8 +1,9 @@
 """Greedy token pick over a W8A16 lm_head without writing logits: argmax_n (x @ w_q^T * w_scale)[m, n].
 
 Each program scores one [BLOCK_M, BLOCK_N] tile in fp32 and keeps its row maxima and their first
-index; a tiny second pass over the tiles' partials picks the first overall maximum, as torch.argmax
-would over fp32 logits. Used for draft and verify token picks ([M, 248320] logits never exist).
+index; a tiny second kernel over the tiles' partials picks the first overall maximum, as torch.argmax
+would over fp32 logits, and writes its token id where the caller wants it. Used for draft and verify token
+picks ([M, 248320] logits never exist).
 """
 
 import torch
@@ -30,29 +31,50 @@ def _w8a16_argmax_kernel(x_ptr, w_ptr, w_scale_ptr, max_ptr, idx_ptr, M, N, K, s
     tl.store(idx_ptr + offs_m * num_tiles + pid_n, tile_idx, mask=mask_m)
 
 
-def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, config: dict) -> torch.Tensor:
-    """Run with an explicit config (the tuner's entry); x [M, K] with unit stride in K -> int64 ids [M]."""
+@triton.jit
+def _argmax_pick_kernel(max_ptr, idx_ptr, out_ptr, num_tiles, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+    # One program per row: the first tile holding the row's maximum (torch.argmax's rule for ties), its token.
+    pdl.enter(PDL)
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_T)
+    tile_max = tl.load(max_ptr + row * num_tiles + offs, mask=offs < num_tiles, other=float("-inf"))
+    best = tl.argmax(tile_max, axis=0, tie_break_left=True)
+    tl.store(out_ptr + row, tl.load(idx_ptr + row * num_tiles + best).to(tl.int64))
+
+
+def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, config: dict,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """Run with an explicit config (the tuner's entry); x [M, K] with unit stride in K -> int64 ids [M], written
+    into `out` when given."""
     M, K = x.shape
     N = w.shape[0]
     num_tiles = triton.cdiv(N, config["BLOCK_N"])
     tile_max = torch.empty((M, num_tiles), dtype=torch.float32, device=x.device)
     tile_idx = torch.empty((M, num_tiles), dtype=torch.int32, device=x.device)
+    out = torch.empty((M,), dtype=torch.int64, device=x.device) if out is None else out
     if M:
         grid = (num_tiles, triton.cdiv(M, config["BLOCK_M"]))
         _w8a16_argmax_kernel[grid](x, w, w_scale, tile_max, tile_idx, M, N, K, x.stride(0), w.stride(0),
                                    num_tiles, DOT_DTYPE=DOT_DTYPE, **config, **pdl.options(x.device))
-    best = tile_max.argmax(dim=1, keepdim=True)
-    return tile_idx.gather(1, best).squeeze(1).long()
+        _argmax_pick_kernel[(M,)](tile_max, tile_idx, out, num_tiles, BLOCK_T=triton.next_power_of_2(num_tiles),
+                                  **pdl.options(x.device))
+    return out
+
+
+def pick(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, phase: str = "lm_head",
+         out: torch.Tensor | None = None) -> torch.Tensor:
+    """x bf16 [M, K], w int8 [N, K], w_scale fp32 [N] -> int64 [M]: the greedy token of each row (into `out`, when
+    given: a CUDA graph's buffer), config from the table for `phase`."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    M, K = x.shape
+    return launch(x, w, w_scale, config_table.lookup(CONFIGS, phase, M, w.shape[0], K, DEFAULT), out)
 
 
 @torch.library.custom_op("qflash::w8a16_argmax", mutates_args=())
 def w8a16_argmax(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, phase: str = "lm_head") -> torch.Tensor:
-    """x bf16 [M, K], w int8 [N, K], w_scale fp32 [N] -> int64 [M]: the greedy token of each row."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    M, K = x.shape
-    config = config_table.lookup(CONFIGS, phase, M, w.shape[0], K, DEFAULT)
-    return launch(x, w, w_scale, config)
+    """`pick` as a torch op."""
+    return pick(x, w, w_scale, phase)
 
 
 @w8a16_argmax.register_fake

@@ -158,6 +158,9 @@ def test_fused_argmax_picks_the_greedy_token_without_logits():
     ids = w8a16_argmax.launch(x.to(DEVICE), w, w_scale, W8A16_CONFIG)
     ref = ((x.double() @ w.cpu().double().T) * w_scale.cpu().double()[None, :]).argmax(dim=1)
     assert ids.dtype == torch.int64 and torch.equal(ids.cpu(), ref)
+    buffer = torch.full((7,), -1, dtype=torch.int64, device=DEVICE)  # a graph's buffer: the ids go into its rows 1-5
+    w8a16_argmax.launch(x.to(DEVICE), w, w_scale, W8A16_CONFIG, out=buffer[1:6])
+    assert buffer.cpu().tolist() == [-1, *ref.tolist(), -1]
 
 
 def test_argmax_tie_takes_the_first_index_across_tiles():
@@ -350,6 +353,11 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
         for config in distinct([*module.CONFIGS.values(), module.DEFAULT]):
             compiled = compile_for_sm90(kernel, pointers, {**config, "DOT_DTYPE": triton.language.bfloat16}, gemm_ints)
             done.append((module.__name__.split(".")[-1], config, "wgmma" in compiled.asm["ptx"]))
+    # the pick over the tiles' maxima of the real vocabulary
+    for tiles in {triton.next_power_of_2(triton.cdiv(shapes.LM_HEAD[1], c["BLOCK_N"])) for c in w8a16_argmax.CONFIGS.values()}:
+        compile_for_sm90(w8a16_argmax._argmax_pick_kernel, {"max_ptr": "*fp32", "idx_ptr": "*i32", "out_ptr": "*i64"},
+                         {"BLOCK_T": tiles})
+        done.append(("w8a16_pick", {"BLOCK_T": tiles}, None))
     pointers = {"q_ptr": "*bf16", "kbuf_ptr": "*bf16", "vbuf_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
                 "o_ptr": "*bf16", "kv_indptr": "*i32", "kv_indices": "*i64", "acc_ptr": "*fp32", "ml_ptr": "*fp32",
                 "sm_scale": "fp32"}

@@ -17,6 +17,7 @@ def runtime(name, corr):
 def test_kernel_names_map_to_their_families():
     assert family("_w8a8_gemm_kernel") == "qflash W8A8 GEMM"
     assert family("_w8a16_argmax_kernel") == "qflash fused argmax"
+    assert family("_argmax_pick_kernel") == "sampling, argmax, top-k"  # its pick over the tiles' maxima
     assert family("chunk_gated_delta_rule_fwd_kernel_h_blockdim64") == "Gated-DeltaNet"
     assert family("fused_recurrent_gated_delta_rule_fwd_kernel") == "Gated-DeltaNet"
     assert family("_gdn_verify_kernel") == family("_gdn_fold_kernel") == "Gated-DeltaNet"  # kernels/gdn_verify.py

@@ -31,7 +31,7 @@ class Int8HeadDraftSampler:
     def __call__(self, hidden_states: torch.Tensor, input_ids=None) -> None:
         width = hidden_states.shape[-1]
         drafts = hidden_states.view(-1, self.block_size, width)[:, 1:, :].reshape(-1, width)
-        self.out[: drafts.shape[0]].copy_(self.greedy_ids(self.lm_head, drafts, self.num_org))
+        self.greedy_ids(self.lm_head, drafts, self.num_org, out=self.out[: drafts.shape[0]])
 
 
 def _draft_sampler(original, self):
