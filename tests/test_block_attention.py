@@ -209,6 +209,14 @@ def test_forwards_the_hook_does_not_serve_run_sglangs_code(changes, k, sinks):
     assert called == "sglang"
 
 
+def test_an_argument_sglang_does_not_know_reaches_its_code_which_refuses_it():
+    from qflash.server.hooks.attention import _block_on_strided_kv
+
+    backend, layer, batch = stand_ins()
+    seen = _block_on_strided_kv(lambda *args, **kwargs: kwargs, backend, None, 1, 1, layer, batch, layer_id=3)
+    assert seen["layer_id"] == 3
+
+
 def test_a_block_the_kernel_declines_runs_sglangs_attention_on_the_written_kv(monkeypatch):
     from qflash.server.hooks import attention
 

@@ -40,15 +40,15 @@ def _causal(backend, layer) -> bool:
 
 
 def _block_on_strided_kv(original, self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None,
-                         score_mod=None, aux_tensors=None):
+                         score_mod=None, aux_tensors=None, **kwargs):
     def sglang(save_kv_cache=save_kv_cache):
         return original(self, q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, sinks=sinks,
-                        score_mod=score_mod, aux_tensors=aux_tensors)
+                        score_mod=score_mod, aux_tensors=aux_tensors, **kwargs)
 
-    # the forwards whose attention SGLang would offer its verify hook, with a plain KV write; page_size 1, as
-    # block_attention reads one KV slot per token
+    # the forwards whose attention SGLang would offer its verify hook, with a plain KV write and no argument it does
+    # not know (SGLang's signature refuses them); page_size 1, as block_attention reads one KV slot per token
     if not (forward_batch.forward_mode.is_target_verify() and k is not None and v is not None and self.page_size == 1
-            and sinks is None and score_mod is None and layer.k_scale is None and self.dcp_size == 1
+            and sinks is None and score_mod is None and not kwargs and layer.k_scale is None and self.dcp_size == 1
             and not self.enable_deterministic and getattr(forward_batch, "_attn_output", None) is None):
         return sglang()
     if save_kv_cache:
