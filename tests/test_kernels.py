@@ -17,7 +17,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from qflash.kernels import (block_attention, config_table, gdn_verify, per_token_quant, sigmoid_mul_quant,
+from qflash.kernels import (block_attention, commit_steps, config_table, gdn_verify, per_token_quant, sigmoid_mul_quant,
                             w8a16_argmax, w8a16_gemm, w8a8_gemm)
 from qflash.server.tools import shapes
 from qflash.server import preset
@@ -358,6 +358,10 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
         compile_for_sm90(w8a16_argmax._argmax_pick_kernel, {"max_ptr": "*fp32", "idx_ptr": "*i32", "out_ptr": "*i64"},
                          {"BLOCK_T": tiles})
         done.append(("w8a16_pick", {"BLOCK_T": tiles}, None))
+    for track in (True, False):  # the GDN commit's steps, for the most requests a decode graph holds
+        lengths = {"pre_ptr": "*i64", "commit_ptr": "*i32", "last_ptr": "*i64", "track_ptr": "*i64"}
+        compile_for_sm90(commit_steps._gdn_commit_steps_kernel, lengths, {"TRACK": track, "BLOCK": 8})
+    done.append(("commit_steps", {"BLOCK": 8}, None))
     pointers = {"q_ptr": "*bf16", "kbuf_ptr": "*bf16", "vbuf_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
                 "o_ptr": "*bf16", "kv_indptr": "*i32", "kv_indices": "*i64", "acc_ptr": "*fp32", "ml_ptr": "*fp32",
                 "sm_scale": "fp32"}

@@ -70,6 +70,52 @@ def test_stock_sglang_never_tracks_under_dflash(dummy_dirs):
     assert commit(dummy_dirs, "qflash_text_only")["track"] == [-1] * len(PRE)
 
 
+AGAINST_SGLANG = PRELUDE + """
+from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+from qflash.server.hooks.radix_cache import _commit_at_post_verify_lens
+
+g = torch.Generator().manual_seed(0)
+n = 64
+pre = torch.randint(0, 3000, (n,), generator=g)
+pre[:8] = torch.tensor([255, 256, 511, 0, 240, 1023, 767, 512])  # at and around the boundaries
+commit = torch.randint(1, 17, (n,), generator=g, dtype=torch.int32)
+commit[:8] = torch.tensor([1, 16, 1, 16, 16, 2, 1, 1], dtype=torch.int32)
+stock = DFlashWorkerV2._update_target_mamba_state_after_verify  # unhooked: no qflash plugin in this process
+out = {}
+for track in (True, False):
+    for name in ("stock", "qflash"):
+        calls = []
+        worker = object.__new__(DFlashWorkerV2)
+        worker._need_mamba_verify_commit = True
+        backend = SimpleNamespace(update_mamba_state_after_mtp_verify=lambda **kw: calls.append(kw))
+        worker._target_worker = SimpleNamespace(model_runner=SimpleNamespace(attn_backend=backend, model="the model"))
+        # 0.5.17's method as sglang#37818 fixes it: handed the post-verify lengths
+        lens = pre + commit.to(pre.dtype) if name == "stock" else pre.clone()
+        batch = SimpleNamespace(seq_lens=lens, mamba_track_indices=torch.arange(100, 100 + n) if track else None,
+                                req_pool_indices=torch.arange(n + 2))
+        if name == "stock":
+            stock(worker, batch=batch, seq_lens_pre_verify=pre, commit_lens=commit)
+        else:
+            _commit_at_post_verify_lens(stock, worker, batch=batch, seq_lens_pre_verify=pre, commit_lens=commit)
+        (kw,) = calls
+        out[f"{name} {track}"] = {k: [str(v.dtype), v.tolist()] if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+print(json.dumps(out))
+"""
+
+
+def test_the_commits_steps_are_sglangs_on_the_post_verify_lengths(dummy_dirs):
+    """qflash's one-launch arithmetic (kernels/commit_steps.py) against 0.5.17's torch operations as sglang#37818 has
+    them run, on 64 verify steps around and across the 256-token checkpoints, with and without tracking slots."""
+    argv = sglang_argv(*dummy_dirs, ["--device", "cuda"], prefix_cache=True)[3:]
+    result = run_python(AGAINST_SGLANG, *argv, env={"SGLANG_PLUGINS": "qflash_text_only"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(result.stdout.strip().splitlines()[-1])
+    for track in ("True", "False"):
+        assert got[f"qflash {track}"] == got[f"stock {track}"]
+    assert got["qflash False"]["mamba_steps_to_track"] is None
+    assert sum(step >= 0 for step in got["qflash True"]["mamba_steps_to_track"][1]) >= 8  # crossings among them
+
+
 REFRESH = PRELUDE + """
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
