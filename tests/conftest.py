@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # Without a GPU, Triton kernels run in Triton's CPU interpreter; it must be on before they are imported.
 if not torch.cuda.is_available():
@@ -57,6 +58,32 @@ def run_python(code: str, *args: str, env: dict | None = None, timeout: int = 30
     """Run `code` in a fresh interpreter: SGLang's plugin and hook state is per process."""
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})}, input=stdin)
+
+
+def change_attributes(objects: dict, changes: dict) -> None:
+    """Set each of `changes` ({"object.attribute": value}) on the named one of `objects`: a decline case of a hook's
+    stand-ins."""
+    for name, value in changes.items():
+        owner, attribute = name.split(".")
+        setattr(objects[owner], attribute, value)
+
+
+class Dispatched(TorchDispatchMode):
+    """The torch operations (with their arguments) dispatched while it is entered: each is a launch on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func, args))
+        return func(*args, **(kwargs or {}))
+
+    def names(self) -> set[str]:
+        return {func.overloadpacket.__name__ for func, _ in self.calls}
+
+    def count(self, *funcs) -> int:
+        return sum(func in funcs for func, _ in self.calls)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import run_python
+from conftest import REPO, change_attributes, run_python
 
 from qflash.kernels import block_attention as ba
 
@@ -86,7 +86,8 @@ def test_cases_it_does_not_serve_are_left_to_sglang():
 ROUTE = """
 import json, sys, torch
 from types import SimpleNamespace as NS
-from torch.utils._python_dispatch import TorchDispatchMode
+sys.path.insert(0, sys.argv[4])
+from conftest import Dispatched
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from sglang.srt.layers.radix_attention import AttentionType
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -137,19 +138,11 @@ def backend(**route):
                    extend_attention_fwd=never, **route)
     return b
 
-class Copies(TorchDispatchMode):  # which of k and v a forward copies
-    def __init__(self):
-        super().__init__()
-        self.copied = []
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.clone.default:
-            self.copied += [name for name, t in (("k", k), ("v", v)) if args[0].data_ptr() == t.data_ptr()]
-        return func(*args, **(kwargs or {}))
-
-def forward(b):
-    with Copies() as copies:
+def forward(b):  # the output, and which of k and v the forward copied
+    with Dispatched() as ops:
         o = TritonAttnBackend.forward_extend(b, q, k, v, layer, batch)
-    return o, copies.copied
+    clones = [args[0].data_ptr() for func, args in ops.calls if func is torch.ops.aten.clone.default]
+    return o, [name for name, t in (("k", k), ("v", v)) if t.data_ptr() in clones]
 
 # SGLang's route: its verify hook handed copies of k and v (qflash's kernel behind it, as before this change)
 stock = backend(use_verify_splitkv=True, verify_splitkv_fwd=ba.block_attention)
@@ -172,7 +165,7 @@ def test_verify_forwards_run_block_attention_on_k_and_v_uncopied(attn_type, wind
     """SGLang's Triton backend, hooked, serves a verify forward with qflash's kernel on the block's k and v as the
     model hands them (strided column slices of the qkv projection): SGLang's route handed the same kernel copies.
     Same output and KV cache bit for bit; the copies are gone."""
-    result = run_python(ROUTE, attn_type, str(window), DEVICE, env={"SGLANG_PLUGINS": "qflash"})
+    result = run_python(ROUTE, attn_type, str(window), DEVICE, str(REPO / "tests"), env={"SGLANG_PLUGINS": "qflash"})
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads(result.stdout.strip().splitlines()[-1])
     assert found == {"output equal": True, "output written": True, "kv equal": True, "block written": True,
@@ -185,9 +178,7 @@ def stand_ins(**changes) -> tuple:
     objects = {"backend": SimpleNamespace(page_size=1, dcp_size=1, enable_deterministic=False),
                "layer": SimpleNamespace(k_scale=None),
                "batch": SimpleNamespace(forward_mode=SimpleNamespace(is_target_verify=lambda: True))}
-    for name, value in changes.items():
-        owner, attribute = name.split(".")
-        setattr(objects[owner], attribute, value)
+    change_attributes(objects, changes)
     return objects["backend"], objects["layer"], objects["batch"]
 
 

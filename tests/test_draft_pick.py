@@ -28,18 +28,8 @@ def test_each_block_drafts_from_its_positions_1_to_k_minus_1():
 def test_one_block_is_picked_into_the_samplers_buffer_by_the_kernels_alone(monkeypatch):
     """In the draft graph every torch op around the fused argmax's kernels is a launch of its own: the ids go
     straight into the sampler's buffer (the kernels themselves: test_each_block_drafts_from_its_positions_1_to_k_minus_1)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    from conftest import Dispatched
     from qflash.kernels import w8a16_argmax
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.add(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     written = []
     monkeypatch.setattr(w8a16_argmax, "launch", lambda x, w, w_scale, config, out=None: written.append(out) or out)
@@ -48,7 +38,7 @@ def test_one_block_is_picked_into_the_samplers_buffer_by_the_kernels_alone(monke
                            shard_indices=SimpleNamespace(num_org_elements=VOCAB))
     sampler = Int8HeadDraftSampler(head, K, max_bs=4)
     hidden = torch.zeros(K, HIDDEN, dtype=torch.bfloat16, device=DEVICE)
-    with Ops() as ops:
+    with Dispatched() as ops:
         sampler(hidden)
     assert written[0].data_ptr() == sampler.out.data_ptr() and written[0].shape == (K - 1,)
-    assert ops.seen <= {"view", "slice", "reshape", "_reshape_alias", "alias"}, ops.seen  # no launch among them
+    assert ops.names() <= {"view", "slice", "reshape", "_reshape_alias", "alias"}, ops.names()  # no launch among them

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import REPO, run_python
+from conftest import REPO, change_attributes, run_python
 
 VERIFY = """
 import json, sys, torch
@@ -202,9 +202,7 @@ def stand_ins(**changes) -> tuple:
     backend, layer, batch = verify_call(cache, torch.zeros(8, 4), None, None, None, cu, None, cu)
     objects = {"backend": backend, "pool": backend.req_to_token_pool.mamba_pool, "meta": backend.forward_metadata,
                "dispatcher": backend.kernel_dispatcher, "cache": cache, "layer": layer, "batch": batch}
-    for name, value in changes.items():
-        owner, attribute = name.split(".")
-        setattr(objects[owner], attribute, value)
+    change_attributes(objects, changes)
     return backend, layer, batch, torch.zeros(32, 8)
 
 

@@ -8,10 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import Dispatched
 from qflash.graphs import glue
 from qflash.server.hooks import cycle_graphs, glue_graphs
+
+COPIES = (torch.ops.aten.clone.default, torch.ops.aten.copy_.default)  # each a launch on a GPU
 
 
 class StandInGraph:
@@ -145,18 +147,6 @@ def test_the_gdn_commit_runs_on_copies_of_its_fresh_inputs_keyed_by_the_verifys_
     assert seen[-1] is None  # other state slots, no tracking: another layout, run eagerly
 
 
-class Clones(TorchDispatchMode):
-    """Counts the tensor copies (clone, copy_) the code run under it dispatches."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func in (torch.ops.aten.clone.default, torch.ops.aten.copy_.default)
-        return func(*args, **(kwargs or {}))
-
-
 def test_inside_a_cycles_capture_the_glue_steps_run_on_their_own_inputs_without_copies(monkeypatch):
     """The cycle's graph holds every address: copying the steps' fresh inputs into buffers would only add launches."""
     monkeypatch.setattr(glue._capture, "active", True)
@@ -165,7 +155,7 @@ def test_inside_a_cycles_capture_the_glue_steps_run_on_their_own_inputs_without_
                             req_pool_indices=torch.tensor([1, 2]))
     pre, commit = torch.tensor([90, 190]), torch.tensor([5, 6], dtype=torch.int32)
     buffers = dict(glue_graphs._STATIC)  # the steps' buffers other tests made
-    with Clones() as clones:
+    with Dispatched() as ops:
         glue_graphs._gdn_commit_in_a_graph(lambda self, **kw: seen.append(kw), gdn_worker(torch.tensor([3, 4])),
                                            batch=batch, seq_lens_pre_verify=pre, commit_lens=commit)
         hidden, loc = torch.zeros(4, 2), torch.arange(4)
@@ -173,7 +163,7 @@ def test_inside_a_cycles_capture_the_glue_steps_run_on_their_own_inputs_without_
                                            ctx_hidden=hidden, ctx_positions=loc, ctx_cache_loc=loc,
                                            ctx_cache_loc_2d=loc.view(1, 4), commit_lens=commit)
     assert seen[0] == {"batch": batch, "seq_lens_pre_verify": pre, "commit_lens": commit} and seen[1][0] is hidden
-    assert clones.count == 0 and glue_graphs._STATIC == buffers and not glue_graphs.GDN_COMMIT.graphs
+    assert ops.count(*COPIES) == 0 and glue_graphs._STATIC == buffers and not glue_graphs.GDN_COMMIT.graphs
 
 
 def drafter(workspace):
@@ -274,11 +264,11 @@ def test_a_cycles_capture_hands_the_accept_step_fresh_buffers_not_copies_of_sgla
     monkeypatch.setattr(glue._capture, "active", True)
     monkeypatch.setattr(glue._capture, "embedded", 0)
     worker = CycleWorker()
-    with Clones() as clones:
+    with Dispatched() as ops:
         result, _ = cycle_graphs._captured_cycle(CycleWorker.cycle, worker, cycle_batch([100, 200]))
     assert result.new_seq_lens.tolist() == [103, 203] and result.next_draft_input.bonus_tokens.tolist() == [6, 7]
     assert result.new_seq_lens.data_ptr() not in [t.data_ptr() for t in worker.rotating]
-    assert clones.count == 2  # the cycle's own copies into them (the stand-in's accept step), none before
+    assert ops.count(*COPIES) == 2  # the cycle's own copies into them (the stand-in's accept step), none before
 
 
 def test_the_batch_keeps_its_own_tensors_after_a_cycle(cycle_env):

@@ -358,8 +358,8 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
         compile_for_sm90(w8a16_argmax._argmax_pick_kernel, {"max_ptr": "*fp32", "idx_ptr": "*i32", "out_ptr": "*i64"},
                          {"BLOCK_T": tiles})
         done.append(("w8a16_pick", {"BLOCK_T": tiles}, None))
+    lengths = {"pre_ptr": "*i64", "commit_ptr": "*i32", "last_ptr": "*i64", "track_ptr": "*i64"}
     for track in (True, False):  # the GDN commit's steps, for the most requests a decode graph holds
-        lengths = {"pre_ptr": "*i64", "commit_ptr": "*i32", "last_ptr": "*i64", "track_ptr": "*i64"}
         compile_for_sm90(commit_steps._gdn_commit_steps_kernel, lengths, {"TRACK": track, "BLOCK": 8})
     done.append(("commit_steps", {"BLOCK": 8}, None))
     pointers = {"q_ptr": "*bf16", "kbuf_ptr": "*bf16", "vbuf_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",

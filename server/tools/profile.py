@@ -136,8 +136,9 @@ def summarize(trace: dict, steps: int) -> dict:
         counts[name] = counts.get(name, 0) + 1
         if name == "other":
             other[e["name"]] = other.get(e["name"], 0.0) + own[id(e)]
-        us, launches, _ = per_kernel.get(short_name(e["name"]), (0.0, 0, name))
-        per_kernel[short_name(e["name"])] = (us + own[id(e)], launches + 1, name)
+        short = short_name(e["name"])
+        us, launches, _ = per_kernel.get(short, (0.0, 0, name))
+        per_kernel[short] = (us + own[id(e)], launches + 1, name)
     host = {}
     for e in events:
         if e.get("cat") in ("user_annotation", "cuda_runtime") and "dur" in e and re.search(HOST_SPANS, e.get("name", "")):
