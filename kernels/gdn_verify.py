@@ -1,19 +1,14 @@
-"""Gated-DeltaNet target verify, its causal conv, and its commit fold (SGLang's ReplaySSM spec path).
+"""Gated-DeltaNet target verify and its commit fold (SGLang's ReplaySSM spec path).
 
-SGLang 0.5.17 verifies 16 draft tokens per request through a GDN layer in three kernels: the causal-conv1d
-update (walking the block's tokens one after another), a split copying q, k and v out of the conv's output, and
-its recurrent kernel (`fused_sigmoid_gating_delta_rule_update_kernel`, ring-writing mode): one warp per 128 x 32
-state tile, one step after another, each step summing over the 128 key rows twice in cross-lane shuffles, 16
-dependent steps that nothing hides. qflash's verify is one kernel: each program convolves the block's q, k and v
-channels it reads from the layer's input GEMM (`_conv`, SGLang's conv expressions in its order, so q, k, v, the
-windows and the rings are its bits), then solves the block's 16 steps at once (`_block`: the gated delta rule
-unrolled over the block: a triangular system and matrix products), which gives the same outputs up to fp32
-rounding. The conv state is only read: SGLang's commit sets it from the accepted step's window, as it would
-overwrite what SGLang's conv update leaves there (the block's last inputs: the last step's window).
+SGLang 0.5.17 verifies 16 draft tokens per request through a GDN layer with its recurrent kernel
+(`fused_sigmoid_gating_delta_rule_update_kernel`, ring-writing mode): one warp per 128 x 32 state tile, one
+step after another, each step summing over the 128 key rows twice in cross-lane shuffles, 16 dependent steps
+that nothing hides. qflash's verify solves the block's 16 steps at once (`_block`: the gated delta rule unrolled
+over the block: a triangular system and matrix products), which gives the same outputs up to fp32 rounding.
 
 The commit replays the accepted steps from the ring (raw k, raw v, gate, beta) into the state one at a time
 (`_update`, SGLang's expressions and order), on narrower tiles than SGLang's fold, so several warps share
-each SM.
+each SM. The verify writes the rings SGLang's does, bit for bit.
 """
 
 import torch
@@ -86,40 +81,13 @@ def _block(b_h, b_qn, b_kn, b_v, b_g, b_beta, o_t, BT: tl.constexpr):
 
 
 @triton.jit
-def _conv(x, stride_x, weight, stride_wc, stride_wj, bias, state, stride_sc, stride_sj, window, stride_gt, stride_gc,
-          stride_gj, cols, step, live, has_state, keeps_window, WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The causal conv's SiLU outputs [BT, C] of channels `cols` over the block's steps, in x's dtype as SGLang's
-    conv writes them (x: the block's first input row; state: the channels' last WIDTH - 1 inputs before it). Tap j
-    of step t reads input t + j - (WIDTH - 1), the state's where that lies before the block; where `keeps_window`,
-    the window after each step (its taps 1 .. WIDTH - 1) goes to `window`. SGLang's expressions in its order: bias,
-    the taps oldest first, SiLU."""
-    acc = tl.zeros((step.shape[0], cols.shape[0]), tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias + cols).to(tl.float32)[None, :]
-    for j in tl.static_range(WIDTH):
-        src = step + j - (WIDTH - 1)
-        in_block = (src >= 0)[:, None]
-        tap = tl.where(in_block,
-                       tl.load(x + src[:, None] * stride_x + cols[None, :], mask=in_block & live[:, None], other=0.0),
-                       tl.load(state + (src + WIDTH - 1)[:, None] * stride_sj + cols[None, :] * stride_sc,
-                               mask=(~in_block) & has_state, other=0.0))
-        acc += tap * tl.load(weight + cols * stride_wc + j * stride_wj)[None, :]
-        if j > 0:
-            tl.store(window + step[:, None] * stride_gt + cols[None, :] * stride_gc + (j - 1) * stride_gj, tap,
-                     mask=live[:, None] & keeps_window)
-    return (acc / (1 + tl.exp(-acc))).to(x.dtype.element_ty)
-
-
-@triton.jit
-def _gdn_verify_kernel(A_log, a, dt_bias, softplus_beta, softplus_threshold, x, conv_w, conv_bias, conv_state, window,
-                       window_indices, b, o, h0_source, h0_indices, stride_h0_source, cu_seqlens, scale, stride_a,
-                       stride_x, stride_b, stride_cw_c, stride_cw_j, stride_cs_slot, stride_cs_c, stride_cs_j,
-                       stride_win_slot, stride_win_t, stride_win_c, stride_win_j, rawv, rawk, ring_g, ring_beta,
-                       stride_rawv_slot, stride_rawk_slot, stride_g_slot, stride_beta_slot, H: tl.constexpr,
-                       HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                       MAX_CACHE_LEN: tl.constexpr, WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
-    # Before the PDL wait: the state (the last commit's fold wrote it), the lengths and slots (pdl.load_settled), the
-    # gates' weights; x, a and b come from the layer's input GEMM, the launch before.
+def _gdn_verify_kernel(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b, o, h0_source, h0_indices,
+                   stride_h0_source, cu_seqlens, scale, stride_a, stride_q, stride_k, stride_v, stride_b,
+                   rawv, rawk, ring_g, ring_beta, stride_rawv_slot, stride_rawk_slot, stride_g_slot,
+                   stride_beta_slot, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BV: tl.constexpr, BT: tl.constexpr, MAX_CACHE_LEN: tl.constexpr, PDL: tl.constexpr):
+    # Before the PDL wait: the state (the last commit's fold wrote it), the lengths and slots, and the gates, whose
+    # inputs a and b the layer's input GEMM wrote; the conv update that writes q, k, v runs between (pdl.load_settled).
     i_v, i_n, i_hv, i_h, bos, eos = _program_sequence(cu_seqlens, H, HV)
     step = tl.arange(0, BT)
     live = step < eos - bos  # this sequence's steps, at most BT (the launcher's contract)
@@ -127,34 +95,21 @@ def _gdn_verify_kernel(A_log, a, dt_bias, softplus_beta, softplus_threshold, x, 
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     slot = pdl.load_settled(h0_indices + i_n).to(tl.int64)
-    win_slot = pdl.load_settled(window_indices + i_n).to(tl.int64)
     tile = i_hv * K * V + o_v[None, :] * K + o_k[:, None]
     b_h = pdl.load_settled(h0_source + slot * stride_h0_source + tile, mask=(slot >= 0) & (tile >= 0),  # as the fold
                            other=0.0)
-    b_dt_bias, b_A_log = pdl.load_weights(dt_bias + i_hv).to(tl.float32), pdl.load_weights(A_log + i_hv).to(tl.float32)
-    pdl.enter(PDL)
-    b_b = tl.load(b + (bos + step) * stride_b + i_hv, mask=live, other=0.0).to(tl.float32)
-    b_a = tl.load(a + (bos + step) * stride_a + i_hv, mask=live, other=0.0).to(tl.float32)
-    a_dt = b_a + b_dt_bias
-    beta_x = softplus_beta * a_dt
-    softplus_x = tl.where(beta_x <= softplus_threshold, (1.0 / softplus_beta) * tl.log(1.0 + tl.exp(beta_x)), a_dt)
-    b_g = tl.where(live, -tl.exp(b_A_log) * softplus_x, 0.0)
+    b_b = pdl.load_settled(b + (bos + step) * stride_b + i_hv, mask=live, other=0.0).to(tl.float32)
+    b_a = pdl.load_settled(a + (bos + step) * stride_a + i_hv, mask=live, other=0.0).to(tl.float32)
+    x = b_a + pdl.load_weights(dt_bias + i_hv).to(tl.float32)
+    beta_x = softplus_beta * x
+    softplus_x = tl.where(beta_x <= softplus_threshold, (1.0 / softplus_beta) * tl.log(1.0 + tl.exp(beta_x)), x)
+    b_g = tl.where(live, -tl.exp(pdl.load_weights(A_log + i_hv).to(tl.float32)) * softplus_x, 0.0)
     b_beta = tl.where(live, 1.0 / (1.0 + tl.exp(-b_b)), 0.0)
-
-    # q, k and v through the conv; a padding request (no slot) has no conv state, and no window is kept for it. Each
-    # key head's q and k windows are kept by one program (the first value tile of its first value head).
-    has_state = slot >= 0
-    block, conv_rows, windows = x + bos * stride_x, conv_state + slot * stride_cs_slot, window + win_slot * stride_win_slot
-    keeps_qk = has_state & (i_v == 0) & (i_hv % (HV // H) == 0)
-    b_q = _conv(block, stride_x, conv_w, stride_cw_c, stride_cw_j, conv_bias, conv_rows, stride_cs_c, stride_cs_j, windows,
-                stride_win_t, stride_win_c, stride_win_j, i_h * K + o_k, step, live, has_state, keeps_qk, WIDTH, HAS_BIAS)
-    b_k = _conv(block, stride_x, conv_w, stride_cw_c, stride_cw_j, conv_bias, conv_rows, stride_cs_c, stride_cs_j, windows,
-                stride_win_t, stride_win_c, stride_win_j, (H + i_h) * K + o_k, step, live, has_state, keeps_qk, WIDTH,
-                HAS_BIAS)
-    b_v = _conv(block, stride_x, conv_w, stride_cw_c, stride_cw_j, conv_bias, conv_rows, stride_cs_c, stride_cs_j, windows,
-                stride_win_t, stride_win_c, stride_win_j, 2 * H * K + i_hv * V + o_v, step, live, has_state, has_state,
-                WIDTH, HAS_BIAS)
-    b_q, b_k, b_v = b_q.to(tl.float32), b_k.to(tl.float32), b_v.to(tl.float32)
+    pdl.enter(PDL)
+    row = (bos + step)[:, None]
+    b_q = tl.load(q + row * stride_q + i_h * K + o_k[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    b_k = tl.load(k + row * stride_k + i_h * K + o_k[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    b_v = tl.load(v + row * stride_v + i_hv * V + o_v[None, :], mask=live[:, None], other=0.0).to(tl.float32)
 
     ringed = live & (step < MAX_CACHE_LEN) & (slot >= 0)  # the fold's ring: steps past it are never committed
     ring_v = rawv + slot * stride_rawv_slot + (i_hv * MAX_CACHE_LEN + step[:, None]) * V + o_v[None, :]
@@ -206,39 +161,29 @@ def _gdn_fold_kernel(state, rawv, rawk, ring_g, ring_beta, slots, accept_lens, t
         tl.store(p_h, b_h)
 
 
-def verify(x: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, conv_state: torch.Tensor,
-           conv_window: torch.Tensor, window_indices: torch.Tensor, A_log: torch.Tensor, a: torch.Tensor,
-           dt_bias: torch.Tensor, b: torch.Tensor, initial_state_source: torch.Tensor,
-           initial_state_indices: torch.Tensor, cu_seqlens: torch.Tensor, replayssm_rawv: torch.Tensor,
-           replayssm_rawk: torch.Tensor, replayssm_g: torch.Tensor, replayssm_beta: torch.Tensor,
-           softplus_beta: float = 1.0, softplus_threshold: float = 20.0, scale: float | None = None,
-           config: dict | None = None) -> torch.Tensor:
-    """A GDN layer's verify of one BLOCK_STEPS block per request (`takes`), from the layer's conv input, in one launch:
-    SGLang's `causal_conv1d_update` (SiLU, the per-step windows kept), its q | k | v split and its
-    `fused_sigmoid_gating_delta_rule_update(..., use_qk_l2norm_in_kernel=True, disable_state_update=True,
-    cache_ring=True)`. x [T, 2 H K + HV V] (channels contiguous), conv_weight [dim, width], conv_state
-    [slots, dim, width - 1] read only, conv_window [window slots, T, dim, width - 1] written (window_indices: each
-    request's), a, b [T, HV], the fp32 state [slots, HV, V, K] read only (initial_state_indices: each request's slot
-    of both states), the rings [slots, H or HV, ring, K or V] written; the heads are the rings'. Returns
+def verify(A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, softplus_beta: float,
+           softplus_threshold: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor,
+           initial_state_source: torch.Tensor, initial_state_indices: torch.Tensor, cu_seqlens: torch.Tensor,
+           replayssm_rawv: torch.Tensor, replayssm_rawk: torch.Tensor, replayssm_g: torch.Tensor,
+           replayssm_beta: torch.Tensor, scale: float | None = None, config: dict | None = None) -> torch.Tensor:
+    """SGLang's `fused_sigmoid_gating_delta_rule_update(..., use_qk_l2norm_in_kernel=True, disable_state_update=True,
+    cache_ring=True)` for GDN with one block of BLOCK_STEPS tokens per request (`takes`): q, k [1, T, H, K],
+    v [1, T, HV, V], a, b [T, HV], the fp32 state [slots, HV, V, K] read only, the per-layer rings written; returns
     o [1, T, HV, V]. config: the bench's."""
-    if not takes(x, cu_seqlens):
-        raise ValueError(f"the GDN verify takes {BLOCK_STEPS} tokens per request, not {x.shape[0]} for {len(cu_seqlens) - 1}")
+    if not takes(k, cu_seqlens):
+        raise ValueError(f"the GDN verify takes {BLOCK_STEPS} tokens per request, not {k.shape[1]} for {len(cu_seqlens) - 1}")
     config = config or config_for(VERIFY_CONFIGS, len(cu_seqlens) - 1)
-    H, K = replayssm_rawk.shape[1], replayssm_rawk.shape[-1]
-    HV, V = replayssm_rawv.shape[1], replayssm_rawv.shape[-1]
+    H, K = k.shape[2:]
+    HV, V = v.shape[2], v.shape[3]
     check_shape(K, V, config)
-    if x.shape[-1] != 2 * H * K + HV * V or x.stride(-1) != 1:
-        raise ValueError(f"the conv input's rows must be q | k | v of {2 * H * K + HV * V} contiguous channels")
-    o = x.new_empty(1, x.shape[0], HV, V)
+    o = q.new_empty(v.shape)
     _gdn_verify_kernel[(V // config["BV"], (len(cu_seqlens) - 1) * HV)](
-        A_log, a, dt_bias, softplus_beta, softplus_threshold, x, conv_weight,
-        conv_bias if conv_bias is not None else conv_weight, conv_state, conv_window, window_indices, b, o,
-        initial_state_source, initial_state_indices, initial_state_source.stride(0), cu_seqlens,
-        K ** -0.5 if scale is None else scale, a.stride(-2), x.stride(0), b.stride(-2), *conv_weight.stride(),
-        *conv_state.stride(), *conv_window.stride(), replayssm_rawv, replayssm_rawk, replayssm_g, replayssm_beta,
-        replayssm_rawv.stride(0), replayssm_rawk.stride(0), replayssm_g.stride(0), replayssm_beta.stride(0), H=H, HV=HV,
-        K=K, V=V, BT=BLOCK_STEPS, MAX_CACHE_LEN=replayssm_rawv.shape[-2], WIDTH=conv_weight.shape[1],
-        HAS_BIAS=conv_bias is not None, **config, **pdl.options(x.device))
+        A_log, a, dt_bias, softplus_beta, softplus_threshold, q, k, v, b, o, initial_state_source,
+        initial_state_indices, initial_state_source.stride(0), cu_seqlens, K ** -0.5 if scale is None else scale,
+        a.stride(-2), q.stride(1), k.stride(1), v.stride(1), b.stride(-2), replayssm_rawv, replayssm_rawk,
+        replayssm_g, replayssm_beta, replayssm_rawv.stride(0), replayssm_rawk.stride(0), replayssm_g.stride(0),
+        replayssm_beta.stride(0), H=H, HV=HV, K=K, V=V, BT=BLOCK_STEPS, MAX_CACHE_LEN=replayssm_rawv.shape[-2], **config,
+        **pdl.options(q.device))
     return o
 
 
@@ -262,10 +207,10 @@ def fold_all_layers(checkpoint_state: torch.Tensor, rawv_cache: torch.Tensor, ra
         **config, **pdl.options(checkpoint_state.device))
 
 
-def takes(x: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
+def takes(k: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
     """Whether a verify is one block per request, as DFLASH's always is (every request verifies its draft block),
-    read from the shapes alone (the lengths in cu_seqlens are on the GPU): x holds the batch's tokens' rows."""
-    return x.shape[0] == BLOCK_STEPS * (len(cu_seqlens) - 1)
+    read from the shapes alone (the lengths in cu_seqlens are on the GPU)."""
+    return k.shape[1] == BLOCK_STEPS * (len(cu_seqlens) - 1)
 
 
 def check_shape(k: int, v: int, config: dict) -> None:

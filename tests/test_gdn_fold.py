@@ -1,13 +1,13 @@
 """DFLASH's GDN commit under `--enable-linear-replayssm-spec` (server/hooks/gdn_verify.py).
 
-On the GPU, the GDN verify runs a 16-token block for two requests twice through SGLang 0.5.17's kernel: caching
-the state after every step (what DFLASH commits from without the flag), and keeping only each step's raw inputs
-in rings (with it; qflash's verify writes the same rings bit for bit, tests/test_gdn_verify.py, and
-kernels/gdn_verify.py folds them). The commit through qflash's hooked `update_mamba_state_after_mtp_verify` must
-then leave the GDN states and the prefix-cache checkpoint slot as SGLang's unhooked commit leaves them from the
-snapshots, up to the rounding of another summation order, and the conv windows bit for bit. SGLang's scatter
-kernels refuse CPU tensors, so the CPU checks the flags: SGLang accepts the fold together with DFLASH and the radix
-cache's extra_buffer, as `./launch.sh` passes them.
+On the GPU, the GDN verify runs a 16-token block for two requests twice: SGLang 0.5.17's kernel caching the
+state after every step (what DFLASH commits from without the flag), and qflash's, to which the plugin routes
+the verify that keeps only each step's raw inputs (with it; kernels/gdn_verify.py, which also folds). The
+commit through qflash's hooked `update_mamba_state_after_mtp_verify` must then leave the GDN states and the
+prefix-cache checkpoint slot as SGLang's unhooked commit leaves them from the snapshots, up to the rounding of
+another summation order, and the conv windows bit for bit. SGLang's scatter kernels refuse CPU tensors, so
+the CPU checks the flags: SGLang accepts the fold together with DFLASH and the radix cache's extra_buffer,
+as `./launch.sh` passes them.
 """
 
 import json

@@ -5,9 +5,7 @@ and SGLang's `TritonGDNKernel.extend` (as the GDN backend calls it) reaches qfla
 output, the final state written to each request's slot and the chunk states `h` against the reference, other
 slots untouched, and the call equal to the kernel's own launch. On the GPU also SGLang's chunked path at the
 real shape: its error against the reference bounds qflash's, and a prompt over MAX_TOKENS still runs it bit
-for bit. The split before it hands out views of the conv output's rows: equal to SGLang's copies, and the prefill
-of views (qflash's; on the GPU FLA's chunks) equal to that of copies bit for bit. CPU: Triton's interpreter in fp32
-on small heads (its bf16 arithmetic is wrong).
+for bit. CPU: Triton's interpreter in fp32 on small heads (its bf16 arithmetic is wrong).
 """
 
 import json
@@ -16,7 +14,6 @@ import pytest
 import torch
 
 from conftest import run_python
-from test_kernels import DEVICE
 
 PREFILL = """
 import json, sys, torch
@@ -161,83 +158,3 @@ def test_a_nan_error_fails_the_check():
     for errors in ([float("nan"), 0.0, 0.0], [0.0, float("nan"), 0.0]):  # max() of the second is 0.0
         with pytest.raises(AssertionError):
             check({**good, "errors": errors}, 1e-6)
-
-
-HEADS = (2, 2, 4, 32, 32, 64)  # q, k, v heads; their dims (SGLang's split's arguments)
-
-
-def conv_rows(tokens: int, seed: int = 0) -> torch.Tensor:
-    """A conv output's rows as the prefill's split gets them: a token's q | k | v contiguous, tokens apart."""
-    q_heads, k_heads, v_heads, dq, dk, dv = HEADS
-    width = q_heads * dq + k_heads * dk + v_heads * dv
-    return torch.randn(tokens, width, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
-
-
-def test_split_hands_out_views_of_channel_contiguous_rows():
-    from sglang.kernels.ops.attention.triton_gdn_fused_proj import fused_qkv_split_gdn_prefill as sglang_split
-
-    from qflash.server.hooks.gdn_prefill import _prefill_reads_conv_rows
-
-    rows = conv_rows(21)
-    views = _prefill_reads_conv_rows(sglang_split, rows, *HEADS)
-    assert all(torch.equal(view, copy) for view, copy in zip(views, sglang_split(rows, *HEADS)))
-    assert all(view.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr() for view in views)
-    # the conv's output read through its transpose: SGLang's copies
-    other = rows.t().contiguous().t()
-    split = _prefill_reads_conv_rows(sglang_split, other, *HEADS)
-    assert all(part.is_contiguous() and torch.equal(part, copy) for part, copy in zip(split, sglang_split(other, *HEADS)))
-
-
-def test_the_prefill_of_row_views_is_the_prefill_of_copies_bit_for_bit():
-    from qflash.kernels import gdn_prefill
-    from qflash.server.hooks.gdn_prefill import _prefill_reads_conv_rows
-
-    q_heads, k_heads, v_heads, dq, dk, dv = HEADS
-    lens, slots = (21, 6), 5
-    tokens = sum(lens)
-    g = torch.Generator().manual_seed(1)
-    views = _prefill_reads_conv_rows(None, conv_rows(tokens, seed=2), *HEADS)
-    assert not views[0].is_contiguous()
-    gate = (-torch.rand(1, tokens, v_heads, generator=g) * 0.3).to(DEVICE)
-    beta = torch.rand(1, tokens, v_heads, generator=g).to(DEVICE)
-    state = (torch.randn(slots, v_heads, dv, dk, generator=g) * 0.1).to(DEVICE)
-    as_int = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)
-
-    def prefill(q, k, v):
-        pool = state.clone()
-        o, _, h = gdn_prefill.prefill(q, k, v, gate, beta, pool, as_int([1, 3]), as_int([0, lens[0], tokens]))
-        return [o, h, pool]
-
-    assert all(map(torch.equal, prefill(*views), prefill(*(view.contiguous() for view in views))))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_flas_chunked_prefill_of_row_views_is_that_of_copies_gpu():
-    """A prompt over qflash's recurrent prefill's reach gets views too: FLA's chunked path (as SGLang's backend and
-    server/hooks/fresh_prefill.py call it) copies them itself and computes what it computes from the copies."""
-    from sglang.kernels.ops.attention.fla.chunk import chunk_gated_delta_rule
-    from sglang.kernels.ops.attention.triton_gdn_fused_proj import fused_qkv_split_gdn_prefill as sglang_split
-
-    from qflash.server.hooks.gdn_prefill import _prefill_reads_conv_rows
-    from qflash.server.preset import TEXT_CONFIG
-
-    k_heads, dk = TEXT_CONFIG["linear_num_key_heads"], TEXT_CONFIG["linear_key_head_dim"]
-    v_heads, dv = TEXT_CONFIG["linear_num_value_heads"], TEXT_CONFIG["linear_value_head_dim"]
-    heads, tokens = (k_heads, k_heads, v_heads, dk, dk, dv), 320  # Qwen3.5-4B's GDN heads
-    g = torch.Generator(device="cuda").manual_seed(3)
-    rows = torch.randn(tokens, 2 * k_heads * dk + v_heads * dv, device="cuda", generator=g).to(torch.bfloat16)
-    gate = -torch.rand(1, tokens, v_heads, device="cuda", generator=g)
-    beta = torch.rand(1, tokens, v_heads, device="cuda", generator=g)
-    state = torch.randn(3, v_heads, dv, dk, device="cuda", generator=g) * 0.1
-    slot = torch.tensor([1], device="cuda", dtype=torch.int32)
-
-    def prefill(q, k, v):
-        h0 = state.clone()
-        out = chunk_gated_delta_rule(q, k, v, gate, beta, initial_state=h0, initial_state_indices=slot,
-                                     use_qk_l2norm_in_kernel=True)
-        return [t for t in out if isinstance(t, torch.Tensor)] + [h0]
-
-    views = _prefill_reads_conv_rows(sglang_split, rows, *heads)
-    assert not views[0].is_contiguous()
-    assert all(map(torch.equal, prefill(*views), prefill(*sglang_split(rows, *heads))))

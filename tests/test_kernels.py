@@ -17,8 +17,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from qflash.kernels import (block_attention, commit_steps, config_table, gdn_verify, per_token_quant, sigmoid_mul_quant,
-                            w8a16_argmax, w8a16_gemm, w8a8_gemm)
+from qflash.kernels import (block_attention, commit_steps, config_table, conv_update, gdn_verify, per_token_quant,
+                            sigmoid_mul_quant, w8a16_argmax, w8a16_gemm, w8a8_gemm)
 from qflash.server.tools import shapes
 from qflash.server import preset
 from conftest import REPO, run_python
@@ -375,19 +375,21 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
                                   "CHUNK": block_attention.MERGE_CHUNK, "num_warps": 4})
         done.append(("block_attention", config, None))
     heads = dict(H=16, HV=32, K=128, V=128, MAX_CACHE_LEN=gdn_verify.BLOCK_STEPS)  # Qwen3.5-4B's GDN
-    pointers = {name: "*bf16" for name in ("a", "x", "conv_w", "conv_bias", "conv_state", "window", "b", "o", "rawv",
-                                           "rawk")} | {
+    pointers = {name: "*bf16" for name in ("a", "q", "k", "v", "b", "o", "rawv", "rawk")} | {
         name: "*fp32" for name in ("A_log", "dt_bias", "h0_source", "ring_g", "ring_beta", "state")} | {
         name: "fp32" for name in ("softplus_beta", "softplus_threshold", "scale")} | {
-        name: "*i32" for name in ("window_indices", "h0_indices", "cu_seqlens", "slots", "accept_lens", "track_slots",
-                                  "track_steps")}
+        name: "*i32" for name in ("h0_indices", "cu_seqlens", "slots", "accept_lens", "track_slots", "track_steps")}
     for config in distinct(gdn_verify.VERIFY_CONFIGS.values()):
-        compile_for_sm90(gdn_verify._gdn_verify_kernel, pointers,
-                         {**heads, "BT": gdn_verify.BLOCK_STEPS, "WIDTH": 4, "HAS_BIAS": False, **config})
+        compile_for_sm90(gdn_verify._gdn_verify_kernel, pointers, {**heads, "BT": gdn_verify.BLOCK_STEPS, **config})
         done.append(("gdn_verify", config, None))
     for config in distinct(gdn_verify.FOLD_CONFIGS.values()):
         compile_for_sm90(gdn_verify._gdn_fold_kernel, pointers, {**heads, "HAS_TRACK": True, **config})
         done.append(("gdn_fold", config, None))
+    pointers = {name: "*bf16" for name in ("x_ptr", "w_ptr", "bias_ptr", "state_ptr", "win_ptr", "o_ptr")} | {
+        "slots_ptr": "*i32", "win_slots_ptr": "*i32"}
+    config = dict(T=16, WIDTH=4, HAS_BIAS=True, BLOCK_N=conv_update.BLOCK_N, num_warps=conv_update.NUM_WARPS)
+    compile_for_sm90(conv_update._conv_update_kernel, pointers, config)
+    done.append(("conv_update", config, None))
     config = dict(per_token_quant.launch_config(dict((name, k) for name, _, k in shapes.TARGET)["attn.o_proj"]),
                   HEAD_DIM=shapes.ATTENTION_HEADS[2])  # the attention output gate
     compile_for_sm90(sigmoid_mul_quant._sigmoid_mul_quant_kernel,

@@ -22,6 +22,7 @@ def test_kernel_names_map_to_their_families():
     assert family("fused_recurrent_gated_delta_rule_fwd_kernel") == "Gated-DeltaNet"
     assert family("_gdn_verify_kernel") == family("_gdn_fold_kernel") == "Gated-DeltaNet"  # kernels/gdn_verify.py
     assert family("_gdn_commit_steps_kernel") == "Gated-DeltaNet"  # kernels/commit_steps.py
+    assert family("_conv_update_kernel") == "Gated-DeltaNet"  # kernels/conv_update.py
     assert family("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN") == "bf16 GEMM (cuBLAS / CUTLASS)"
     assert family("_fwd_kernel_stage1") == "attention"
     assert family("_prefix_split_kernel") == family("_merge_block_kernel") == "attention"  # qflash's block attention

@@ -9,15 +9,21 @@ EAGLE and NGRAM only; what qflash changes for DFLASH:
   makes the fold EAGLE's commit (spec_utils) makes, with the same arguments;
 - the pool: 0.5.17's pool builder refuses the flag under DFLASH for a non-KDA model (for want of that commit);
   the algorithm's name is its guard's only reader, so the builder runs with the name hidden from it;
-- the verify: SGLang's verify runs three kernels a layer: its causal-conv1d update (the block's tokens one after
-  another), a split copying q, k and v out of the conv's output, and its recurrent kernel (one warp per 128 x 32
-  state tile, one per SM). qflash's (kernels/gdn_verify.py) is one kernel that convolves the layer's input GEMM's
-  rows and solves the 16-token block at once, writing the windows and rings SGLang's do. It takes the backend's
-  verify calls that SGLang's fold path serves with its Triton kernel and whose conv it can follow (a chained block
-  of 16 tokens per request, SiLU, a state of width - 1 inputs); any other call runs SGLang's code;
-- the fold: the commit replays the accepted steps on narrower tiles than SGLang's, so several warps share each SM.
-Retire when SGLang runs ReplaySSM under DFLASH with a block-solved verify that does its own conv and per-batch GDN
-fold tiles.
+- the kernels: SGLang's recurrent kernel steps through the block on one warp per 128 x 32 state tile, one per
+  SM; qflash's verify (kernels/gdn_verify.py) solves the 16-token block at once, and its fold replays the accepted
+  steps on narrower tiles, so several warps share each SM. The verify is replaced where SGLang's fold path calls
+  it (ring-writing GDN calls of one 16-token block per request; decode, EAGLE's snapshot calls and other lengths
+  reach SGLang's kernel, whose rings are the same), the fold as a whole;
+- the causal-conv1d update before the verify: SGLang's kernel steps through the block's tokens one after another;
+  qflash's (kernels/conv_update.py) computes the block at once, to the same bits, for the verify's calls
+  (chained blocks saving per-step windows); any other call keeps SGLang's;
+- the q | k | v split after the conv: SGLang copies each of the three out of the conv output's rows (one kernel a
+  layer) for FLA's chunked prefill, which wants them contiguous; qflash's verify and short prefill read rows through a
+  token stride, so where the conv output's rows are contiguous whole 16-token blocks (the verify's, the fresh-prompt
+  graph's) the split hands out views of them (FLA's chunked path copies strided inputs itself). gdn_backend binds the
+  split on CUDA only; elsewhere the hook binds it first, so every platform installs the same hooks.
+Retire when SGLang runs ReplaySSM under DFLASH with a block-solved verify, per-batch GDN fold tiles, a
+block-at-once conv update and a split its verify kernels need not copy.
 """
 
 from qflash.server.hooks import Hook
@@ -58,29 +64,19 @@ def _allow_gdn_fold_pool(original, self, **kwargs):
         self.server_args = args
 
 
-def _verify_from_conv_input(original, self, layer, forward_batch, mixed_qkv, a, b, **kwargs):
-    import torch
+RING_VERIFY_ONLY = ("use_qk_l2norm_in_kernel", "disable_state_update", "lower_bound", "retrieve_parent_token",
+                    "intermediate_states_buffer", "intermediate_state_indices", "cache_steps")
 
+
+def _verify_on_qflash_tiles(original, *, cache_ring: bool = False, is_kda: bool = False, **kwargs):
     from qflash.kernels import gdn_verify
 
-    if not forward_batch.forward_mode.is_target_verify():
-        return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
-    cache = self.req_to_token_pool.mamba2_layer_cache(layer.layer_id)
-    pool, meta = self.req_to_token_pool.mamba_pool, self.forward_metadata
-    conv_state, width = cache.conv[0], layer.conv_weights.shape[-1]
-    if not (cache.replayssm_rawv is not None and getattr(pool, "replayssm_spec_fold", False)  # SGLang's fold path ...
-            and not getattr(pool, "replayssm_is_kda", False)
-            and not (self.kernel_dispatcher.verify_kernel_is_flashinfer and cache.temporal.dtype == torch.bfloat16)
-            and meta.retrieve_next_token is None and meta.retrieve_parent_token is None  # ... of a chained block
-            and layer.activation in ("silu", "swish") and conv_state.dim() == 3 and conv_state.shape[-1] == width - 1
-            and mixed_qkv.stride(-1) == 1 and gdn_verify.takes(mixed_qkv, meta.query_start_loc)):
-        return original(self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
-    requests = meta.query_start_loc.shape[0] - 1
-    return gdn_verify.verify(
-        mixed_qkv, layer.conv_weights, layer.bias, conv_state, cache.intermediate_conv_window[0],
-        self.verify_intermediate_state_indices[:requests], layer.A_log, a, layer.dt_bias, b, cache.temporal,
-        meta.mamba_cache_indices, meta.query_start_loc, cache.replayssm_rawv, cache.replayssm_rawk, cache.replayssm_g,
-        cache.replayssm_beta)
+    if not (cache_ring and not is_kda and kwargs.get("use_qk_l2norm_in_kernel") and kwargs.get("disable_state_update")
+            and kwargs.get("cu_seqlens") is not None and kwargs.get("lower_bound") is None
+            and kwargs.get("retrieve_parent_token") is None and kwargs.get("intermediate_states_buffer") is None
+            and gdn_verify.takes(kwargs["k"], kwargs["cu_seqlens"])):
+        return original(cache_ring=cache_ring, is_kda=is_kda, **kwargs)
+    return gdn_verify.verify(**{k: v for k, v in kwargs.items() if k not in RING_VERIFY_ONLY})
 
 
 def _fold_on_qflash_tiles(*args, **kwargs):
@@ -89,11 +85,42 @@ def _fold_on_qflash_tiles(*args, **kwargs):
     return gdn_verify.fold_all_layers(*args, **kwargs)
 
 
+def _conv_update_on_qflash(original, *args, **kwargs):
+    from qflash.kernels import conv_update
+
+    return (conv_update.conv_update if conv_update.takes(*args, **kwargs) else original)(*args, **kwargs)
+
+
+def _verify_reads_conv_rows(original, mixed_qkv, num_q_heads, num_k_heads, num_v_heads, head_q, head_k, head_v):
+    from qflash.kernels.gdn_verify import BLOCK_STEPS
+
+    widths = [num_q_heads * head_q, num_k_heads * head_k, num_v_heads * head_v]
+    if mixed_qkv.stride(-1) != 1 or mixed_qkv.shape[0] % BLOCK_STEPS or mixed_qkv.shape[-1] != sum(widths):
+        return original(mixed_qkv, num_q_heads, num_k_heads, num_v_heads, head_q, head_k, head_v)
+    heads = zip(mixed_qkv.split(widths, dim=-1), ((num_q_heads, head_q), (num_k_heads, head_k), (num_v_heads, head_v)))
+    return tuple(rows.unflatten(-1, shape)[None] for rows, shape in heads)  # [1, T, heads, dim], a token's row apart
+
+
+class _SplitHook(Hook):
+    """The split's hook, installed where gdn_backend did not bind the split (off CUDA) by binding it first."""
+
+    def install(self):
+        from sglang.kernels.ops.attention import triton_gdn_fused_proj
+        from sglang.srt.layers.attention.linear import gdn_backend
+
+        if not hasattr(gdn_backend, "fused_qkv_split_gdn_prefill"):
+            gdn_backend.fused_qkv_split_gdn_prefill = triton_gdn_fused_proj.fused_qkv_split_gdn_prefill
+        return super().install()
+
+
+FLA = "sglang.kernels.ops.attention.fla."
 CHANGES = [
     Hook("sglang.srt.layers.attention.hybrid_linear_attn_backend.HybridLinearAttnBackend.update_mamba_state_after_mtp_verify",
          _fold_gdn_window_on_commit, "AROUND"),
     Hook("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_hybrid_req_pool", _allow_gdn_fold_pool, "AROUND"),
-    Hook("sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend.forward_extend", _verify_from_conv_input, "AROUND"),
-    Hook("sglang.kernels.ops.attention.fla.gdn_replayssm_spec_fold.commit_gdn_replayssm_fold_all_layers",
-         _fold_on_qflash_tiles, "REPLACE"),
+    Hook(FLA + "fused_sigmoid_gating_recurrent.fused_sigmoid_gating_delta_rule_update", _verify_on_qflash_tiles, "AROUND"),
+    Hook(FLA + "gdn_replayssm_spec_fold.commit_gdn_replayssm_fold_all_layers", _fold_on_qflash_tiles, "REPLACE"),
+    Hook("sglang.srt.layers.attention.linear.gdn_backend.causal_conv1d_update", _conv_update_on_qflash, "AROUND"),
+    _SplitHook("sglang.srt.layers.attention.linear.gdn_backend.fused_qkv_split_gdn_prefill", _verify_reads_conv_rows,
+               "AROUND"),
 ]

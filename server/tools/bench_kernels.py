@@ -84,51 +84,41 @@ FOLD_TILES = (4, 8, 16, 32)  # value columns per GDN fold program (one warp)
 
 
 def gdn_row(batch: int) -> dict:
-    """One GDN layer's verify of 16 tokens per request (ring-writing, its conv included) and the fold of all 16 on
-    commit, at the Qwen3.5-4B heads: SGLang's kernels (conv update, split, recurrent verify) against qflash's at each
-    tile of VERIFY_TILES and FOLD_TILES."""
+    """One GDN layer's verify of 16 tokens per request (ring-writing) and the fold of all 16 on commit, at the
+    Qwen3.5-4B heads: SGLang's kernels against qflash's at each tile of VERIFY_TILES and FOLD_TILES."""
     from sglang.kernels.ops.attention.fla.fused_sigmoid_gating_recurrent import fused_sigmoid_gating_delta_rule_update
     from sglang.kernels.ops.attention.fla.gdn_replayssm_spec_fold import commit_gdn_replayssm_fold_all_layers
-    from sglang.kernels.ops.attention.triton_gdn_fused_proj import fused_qkv_split_gdn_prefill
-    from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_update
 
     from qflash.kernels import gdn_verify
 
-    (h, hv, d), steps, width = GDN_HEADS, BLOCK_SIZE, 4
-    t, dim = steps * batch, (2 * h + hv) * d
+    (h, hv, d), steps = GDN_HEADS, BLOCK_SIZE
+    t = steps * batch
 
     def rand(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, device="cuda", dtype=dtype)
 
-    slots = torch.arange(batch, device="cuda", dtype=torch.int32)
-    conv = dict(x=rand(t, dim), conv_weight=rand(dim, width), conv_bias=None, conv_state=rand(batch, dim, width - 1),
-                conv_window=rand(batch, steps, dim, width - 1), window_indices=slots)
-    gates = dict(A_log=rand(hv, dtype=torch.float32), dt_bias=rand(hv, dtype=torch.float32), a=rand(t, hv), b=rand(t, hv))
-    state = dict(initial_state_source=rand(batch, hv, d, d, dtype=torch.float32) * 0.1, initial_state_indices=slots,
-                 cu_seqlens=torch.arange(0, t + 1, steps, device="cuda", dtype=torch.int32))
+    inputs = dict(A_log=rand(hv, dtype=torch.float32), dt_bias=rand(hv, dtype=torch.float32), q=rand(1, t, h, d),
+                  k=rand(1, t, h, d), v=rand(1, t, hv, d), a=rand(t, hv), b=rand(t, hv),
+                  initial_state_source=rand(batch, hv, d, d, dtype=torch.float32) * 0.1,
+                  initial_state_indices=torch.arange(batch, device="cuda", dtype=torch.int32),
+                  cu_seqlens=torch.arange(0, t + 1, steps, device="cuda", dtype=torch.int32),
+                  softplus_beta=1.0, softplus_threshold=20.0)
     rings = dict(replayssm_rawv=rand(batch, hv, steps, d), replayssm_rawk=rand(batch, h, steps, d),
                  replayssm_g=rand(batch, hv, steps, dtype=torch.float32),
                  replayssm_beta=rand(batch, hv, steps, dtype=torch.float32))
-    fold = dict(checkpoint_state=state["initial_state_source"][None], rawv_cache=rings["replayssm_rawv"][None],
+    fold = dict(checkpoint_state=inputs["initial_state_source"][None], rawv_cache=rings["replayssm_rawv"][None],
                 rawk_cache=rings["replayssm_rawk"][None], g_cache=rings["replayssm_g"][None],
-                beta_cache=rings["replayssm_beta"][None], ssm_state_indices=slots,
+                beta_cache=rings["replayssm_beta"][None], ssm_state_indices=inputs["initial_state_indices"],
                 accept_lens=torch.full((batch,), steps, device="cuda", dtype=torch.int32), max_cache_len=steps,
                 num_k_heads=h)
-
-    def sglang_verify():  # as SGLang's GDN backend runs a verify: conv update, split, recurrent verify
-        x = causal_conv1d_update(conv["x"].view(batch, steps, dim).transpose(1, 2), conv["conv_state"],
-                                 conv["conv_weight"], None, "silu", conv_state_indices=slots,
-                                 intermediate_conv_window=conv["conv_window"], intermediate_state_indices=slots)
-        q, k, v = fused_qkv_split_gdn_prefill(x.transpose(1, 2).reshape(t, dim), h, h, hv, d, d, d)
-        return fused_sigmoid_gating_delta_rule_update(
-            q=q, k=k, v=v, **gates, **state, **rings, softplus_beta=1.0, softplus_threshold=20.0,
-            use_qk_l2norm_in_kernel=True, is_kda=False, disable_state_update=True, cache_ring=True)
-
-    row = {"batch": batch, "sglang_verify_us": time_us(sglang_verify),
+    row = {"batch": batch,
+           "sglang_verify_us": time_us(lambda: fused_sigmoid_gating_delta_rule_update(
+               **inputs, **rings, use_qk_l2norm_in_kernel=True, is_kda=False, disable_state_update=True,
+               cache_ring=True)),
            "sglang_fold_us": time_us(lambda: commit_gdn_replayssm_fold_all_layers(**fold))}
     for bv, warps in VERIFY_TILES:
         config = dict(gdn_verify.VERIFY_CONFIGS[1], BV=bv, num_warps=warps)
-        row[f"verify_{bv}x{warps}_us"] = time_us(lambda: gdn_verify.verify(**conv, **gates, **state, **rings, config=config))
+        row[f"verify_{bv}x{warps}_us"] = time_us(lambda: gdn_verify.verify(**inputs, **rings, config=config))
     for bv in FOLD_TILES:
         config = dict(gdn_verify.FOLD_CONFIGS[1], BV=bv)
         row[f"fold_{bv}_us"] = time_us(lambda: gdn_verify.fold_all_layers(**fold, config=config))
@@ -203,8 +193,7 @@ def render_prefill_attention(rows: list[dict]) -> str:
 def render_gdn(rows: list[dict]) -> str:
     verify = " | ".join(f"qflash {bv} cols x {warps} warps" for bv, warps in VERIFY_TILES)
     fold = " | ".join(f"qflash {bv} cols" for bv in FOLD_TILES)
-    out = ["GDN verify of 16 tokens per request with its conv, one layer, us:", "",
-           f"| requests | SGLang (conv, split, verify) | {verify} |",
+    out = ["GDN verify of 16 tokens per request, one layer, us:", "", f"| requests | SGLang (32 cols, 1 warp) | {verify} |",
            "| ---: |" + " ---: |" * (1 + len(VERIFY_TILES))]
     out += [f"| {r['batch']} | {_f(r['sglang_verify_us'])} | "
             + " | ".join(_f(r[f"verify_{bv}x{warps}_us"]) for bv, warps in VERIFY_TILES) + " |" for r in rows]

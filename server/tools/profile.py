@@ -37,7 +37,7 @@ FAMILIES = [
     ("qflash fused argmax", r"_w8a16_argmax_kernel"),
     ("stock int8 GEMM + quant", r"int8|_per_token_quant_int8|i8i8|s8"),
     ("bf16 GEMM (cuBLAS / CUTLASS)", r"gemm|cutlass|nvjet|xmma|sm90_|ampere_|cublas"),
-    ("Gated-DeltaNet", r"gated_delta|delta_rule|fused_recurrent|chunk_|gdn|conv1d|causal_conv|mamba|fused_gdn"),
+    ("Gated-DeltaNet", r"gated_delta|delta_rule|fused_recurrent|chunk_|gdn|conv1d|causal_conv|conv_update|mamba|fused_gdn"),
     # norms before attention: flashinfer's norm kernels are named flashinfer::norm::...
     ("norms, rotary, activations", r"norm|rotary|rope|silu|sigmoid_mul|gelu|act_and_mul|elementwise|vectorized|unrolled|reduce_kernel"),
     ("attention", r"attention|attn|_fwd_kernel|decode_kernel|extend|flash|_prefix_split_kernel|_merge_block_kernel"),

@@ -1,0 +1,74 @@
+"""qflash's causal-conv1d update of a verify block (kernels/conv_update.py) against SGLang's kernel.
+
+On the same inputs the outputs, the updated conv states and the per-step windows the commit reads back must be
+SGLang's bits, for several requests (one of them padding), and the GDN backend's call must reach qflash's kernel
+once the plugin is loaded. CPU: Triton's interpreter in fp32 (its bf16 arithmetic is wrong), a channel count that
+no tile divides evenly; GPU: bf16 at the Qwen3.5-4B shape (8,192 channels, 16 tokens).
+"""
+
+import json
+
+import pytest
+import torch
+
+from conftest import run_python
+
+UPDATE = """
+import json, sys, torch
+from sglang.kernels.ops.mamba import causal_conv1d_triton as stock
+from qflash.kernels import conv_update
+
+dev, dim, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+dtype = torch.bfloat16 if dev == "cuda" else torch.float32  # the interpreter computes bf16 loads wrongly
+T, WIDTH, SLOTS = 16, 4, 8
+torch.manual_seed(0)
+x = torch.randn(batch, T, dim, device=dev, dtype=dtype).transpose(1, 2)  # as the GDN backend hands it
+weight = torch.randn(dim, WIDTH, device=dev, dtype=dtype)
+bias = torch.randn(dim, device=dev, dtype=dtype)
+states = torch.randn(SLOTS, dim, WIDTH - 1, device=dev, dtype=dtype)
+slots = torch.arange(1, 2 * batch, 2, device=dev, dtype=torch.int32)
+slots[-1] = -1  # the last request is padding (a CUDA graph's spare row)
+window_slots = torch.arange(batch, device=dev, dtype=torch.int32).flip(0)
+
+def update(fn):
+    state, windows = states.clone(), torch.zeros(batch + 1, T, dim, WIDTH - 1, device=dev, dtype=dtype)
+    args = (x.clone(), state, weight, bias, "silu")
+    kwargs = dict(conv_state_indices=slots, intermediate_conv_window=windows, intermediate_state_indices=window_slots)
+    assert conv_update.takes(*args, **kwargs)
+    return fn(*args, **kwargs)[: batch - 1], state, windows
+
+ours, theirs = update(conv_update.conv_update), update(stock.causal_conv1d_update)
+from sglang.srt.plugins import load_plugins
+from sglang.srt.layers.attention.linear import gdn_backend
+calls = []
+conv_update.conv_update, qflash_update = (lambda *a, **k: calls.append(1) or qflash_update(*a, **k)), conv_update.conv_update
+load_plugins()
+update(gdn_backend.causal_conv1d_update)
+print(json.dumps({"equal": [torch.equal(a, b) for a, b in zip(ours, theirs)],
+                  "finite": bool(ours[0].isfinite().all()), "state moved": not torch.equal(ours[1], states),
+                  "windows written": bool(ours[2].abs().sum() > 0), "backend reaches qflash": len(calls) == 1}))
+"""
+
+
+def updates(device: str, dim: int, batch: int) -> dict:
+    interpret = {"TRITON_INTERPRET": "1"} if device == "cpu" else {}  # on a GPU machine too
+    result = run_python(UPDATE, device, str(dim), str(batch), env={"SGLANG_PLUGINS": "qflash", **interpret}, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def check(got: dict) -> None:
+    assert got["windows written"] and got["finite"] and got["state moved"]
+    assert got["equal"] == [True, True, True], "output, conv states, per-step windows"
+    assert got["backend reaches qflash"]
+
+
+def test_block_conv_update_gives_sglangs_bits():
+    check(updates("cpu", 200, 3))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("batch", [2, 4])
+def test_block_conv_update_gives_sglangs_bits_at_the_real_shape_gpu(batch):
+    check(updates("cuda", 8192, batch))
