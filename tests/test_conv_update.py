@@ -63,6 +63,7 @@ def check(got: dict) -> None:
     assert got["backend reaches qflash"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run: a GPU runs the real shape below")
 def test_block_conv_update_gives_sglangs_bits():
     check(updates("cpu", 200, 3))
 
