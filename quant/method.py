@@ -86,8 +86,16 @@ class W8A16LMHeadMethod(QuantizeMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         layer.weight_scale = Parameter(layer.weight_scale.data.reshape(-1).contiguous(), requires_grad=False)
 
+    # SGLang's fp32 logits buffer, while its logits step runs (server/hooks/logits_buffer.py): apply writes it
+    logits_buffer: Optional[torch.Tensor] = None
+
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        logits = torch.ops.qflash.w8a16_gemm(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale, "lm_head")
+        x = x.reshape(-1, x.shape[-1])
+        out = self.logits_buffer
+        if bias is None and out is not None and out.shape == (x.shape[0], layer.weight.shape[0]):
+            torch.ops.qflash.w8a16_gemm_into(x, layer.weight, layer.weight_scale, out, "lm_head")
+            return out
+        logits = torch.ops.qflash.w8a16_gemm(x, layer.weight, layer.weight_scale, "lm_head")
         return logits if bias is None else logits + bias
 
 

@@ -133,9 +133,61 @@ def check_int8_lm_head():
     assert torch.equal(greedy_ids(head, x, 100).cpu(), ref.argmax(dim=1))
 
 
+def check_logits_written_into_sglangs_buffer():
+    """SGLang's logits step copies bf16 logits into its fp32 buffer; with the plugin the int8 lm_head writes the
+    buffer itself, to the same bits, and SGLang's copy has the buffer for source and destination (torch launches
+    nothing then). A scaled, biased or differently shaped call keeps SGLang's route."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.logits_processor import LogitsProcessor
+    from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead
+    from sglang.srt.plugins import load_plugins
+
+    from conftest import Dispatched
+    from qflash.quant.quantize import quantize_per_channel
+
+    cfg = QflashW8A8Config.from_config(quantized_config(TARGET_CONFIG)["quantization_config"])
+    with torch.device(DEVICE):
+        head = ParallelLMHead(128, 64, quant_config=cfg, prefix="lm_head")
+    w_q, w_scale = quantize_per_channel(torch.randn(128, 64, generator=torch.Generator().manual_seed(5)))
+    head.weight_loader(head.weight, w_q)
+    head.weight_loader(head.weight_scale, w_scale)
+    head.quant_method.process_weights_after_loading(head)
+    processor = LogitsProcessor.__new__(LogitsProcessor)  # its __init__ reads a served model's published config
+    torch.nn.Module.__init__(processor)
+    vars(processor).update(vocab_size=128, logit_scale=None, do_tensor_parallel_all_gather=False, use_fp32_lm_head=False,
+                           do_tensor_parallel_all_gather_dp_attn=False, final_logit_softcapping=None)
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(DEVICE)
+    buffer = torch.empty(16, 128, device=DEVICE)
+    meta = SimpleNamespace(next_token_logits_buffer=buffer)
+
+    def logits(x=x, meta=meta):
+        buffer.fill_(float("nan"))
+        with Dispatched() as seen:
+            out = processor._get_logits(x, head, meta)
+        copies = [args for func, args in seen.calls if func.overloadpacket.__name__ == "copy_"]
+        return out, seen.names(), [a[0].data_ptr() == a[1].data_ptr() and a[0].dtype == a[1].dtype for a in copies]
+
+    sglangs, names, _ = logits()
+    expected = head.quant_method.apply(head, x).float()  # bf16 logits, widened as SGLang's copy widens them
+    assert sglangs is buffer and torch.equal(sglangs, expected) and "w8a16_gemm_into" not in names
+    load_plugins()
+    ours, names, onto_itself = logits()
+    assert ours is buffer and torch.equal(ours, expected), "the buffer holds SGLang's bits"
+    assert "w8a16_gemm_into" in names and "w8a16_gemm" not in names and onto_itself == [True]
+    assert head.quant_method.logits_buffer is None, "the buffer is the method's only during the logits step"
+    other_rows = SimpleNamespace(next_token_logits_buffer=torch.empty(8, 128, device=DEVICE))
+    for declined in (dict(meta=SimpleNamespace(next_token_logits_buffer=None)), dict(meta=other_rows)):
+        assert "w8a16_gemm_into" not in logits(**declined)[1]
+    processor.logit_scale = 0.5
+    scaled, names, _ = logits()
+    assert "w8a16_gemm_into" not in names and torch.equal(scaled, expected * 0.5)
+
+
 @pytest.mark.parametrize("check", ["check_checkpoint_linear", "check_ignored_linear_stays_bf16",
                                    "check_drafter_linear_quantized_at_load",
-                                   "check_drafter_qkv_stays_bf16_for_fused_kv_materialisation", "check_int8_lm_head"])
+                                   "check_drafter_qkv_stays_bf16_for_fused_kv_materialisation", "check_int8_lm_head",
+                                   "check_logits_written_into_sglangs_buffer"])
 def test_sglang_layers_run_on_qflash_kernels(check):
     code = (f"import sys\nsys.path.insert(0, {str(REPO / 'tests')!r})\nimport test_quant_method as t\n"
             f"t.setup_one_process()\nt.{check}()\nprint('passed')")
