@@ -91,10 +91,9 @@ class W8A16LMHeadMethod(QuantizeMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         x = x.reshape(-1, x.shape[-1])
-        out = self.logits_buffer
-        if bias is None and out is not None and out.shape == (x.shape[0], layer.weight.shape[0]):
-            torch.ops.qflash.w8a16_gemm_into(x, layer.weight, layer.weight_scale, out, "lm_head")
-            return out
+        if self.logits_buffer is not None:  # the hook handed it over for a call it fits (no bias, x's rows)
+            torch.ops.qflash.w8a16_gemm_into(x, layer.weight, layer.weight_scale, self.logits_buffer, "lm_head")
+            return self.logits_buffer
         logits = torch.ops.qflash.w8a16_gemm(x, layer.weight, layer.weight_scale, "lm_head")
         return logits if bias is None else logits + bias
 

@@ -51,7 +51,7 @@ print(json.dumps({"equal": [torch.equal(a, b) for a, b in zip(ours, theirs)],
 
 
 def updates(device: str, dim: int, batch: int) -> dict:
-    interpret = {"TRITON_INTERPRET": "1"} if device == "cpu" else {}  # on a GPU machine too
+    interpret = {"TRITON_INTERPRET": "1"} if device == "cpu" else {}
     result = run_python(UPDATE, device, str(dim), str(batch), env={"SGLANG_PLUGINS": "qflash", **interpret}, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])

@@ -161,7 +161,7 @@ def check_logits_written_into_sglangs_buffer():
     buffer = torch.empty(16, 128, device=DEVICE)
     meta = SimpleNamespace(next_token_logits_buffer=buffer)
 
-    def logits(x=x, meta=meta):
+    def logits(meta=meta):
         buffer.fill_(float("nan"))
         with Dispatched() as seen:
             out = processor._get_logits(x, head, meta)
