@@ -18,7 +18,7 @@ does for fp8 linears on ROCm (`_linear_accepts_fp8_tuple`).
 import torch
 
 from qflash.quant import handoff
-from qflash.server.hooks import Hook
+from qflash.server.hooks import Hook, dflash_taps
 
 
 def _norm_variant(norm: torch.nn.Module) -> bool:
@@ -35,7 +35,8 @@ def _rms_norm(gemma: bool):
         from qflash.kernels.norm_quant import rms_norm_quant
 
         out = torch.empty_like(x) if residual is None else x  # SGLang's kernels: out of place alone, else in place
-        x_q, x_scale = rms_norm_quant(x, residual, self.weight.data, self.variance_epsilon, out, gemma)
+        tap = dflash_taps.take(self, x)
+        x_q, x_scale = rms_norm_quant(x, residual, self.weight.data, self.variance_epsilon, out, gemma, tap)
         handoff.offer(out, x_q, x_scale)
         return out if residual is None else (out, residual)
 

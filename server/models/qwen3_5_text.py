@@ -7,7 +7,8 @@ text-only Qwen3.5 (no vision tower, so no image processor) and adds what that cl
 loading the lm_head's tensors besides its weight (the int8 head's `weight_scale`), which that class drops.
 Each layer's norms and SiLU-and-multiply are marked to hand their output's int8 rows to the W8A8 projections
 that read it (quant/handoff.py), as are the drafter's (server/models/dflash_drafter.py), and each Gated-DeltaNet
-layer's two input projections share one int8 weight, run as one GEMM (server/hooks/gdn_input_proj.py).
+layer's two input projections share one int8 weight, run as one GEMM (server/hooks/gdn_input_proj.py). The layers
+DFlash taps learn their place among the taps, where their input norm stores the tap (server/hooks/dflash_taps.py).
 """
 
 import logging
@@ -20,7 +21,7 @@ from sglang.srt.models.qwen3_5_text import Qwen3_5ForCausalLM
 from qflash.quant import handoff
 from qflash.quant.layout import LM_HEAD, text_name
 from qflash.quant.method import runs_w8a8
-from qflash.server.hooks import gdn_input_proj
+from qflash.server.hooks import dflash_taps, gdn_input_proj
 
 logger = logging.getLogger(__name__)
 HANDOFF_LOG = "qflash: {model}: {count} norms, activations and gates hand their int8 rows to W8A8 projections"
@@ -78,6 +79,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
             return
         self.capture_aux_hidden_states = True
         self.model.set_dflash_layers_to_capture([i + 1 for i in layer_ids])
+        dflash_taps.mark(self.model.layers, [i + 1 for i in layer_ids])
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params, head_loaded = dict(self.named_parameters()), set()
