@@ -122,14 +122,21 @@ def _checked(result):
 
 def static_copies(buffers: dict, step: str, **fresh) -> SimpleNamespace:
     """`fresh`'s tensors copied into `buffers`' tensors of their shape and dtype for `step` (made on first use;
-    None stays None): a graph reads a step's fresh inputs from buffers of its own."""
+    None stays None): a graph reads a step's fresh inputs from buffers of its own. A foreach copy per dtype: on
+    CUDA one kernel for those tensors, where tensor.copy_ queues a copy-engine memcpy for each (~2 us apart,
+    BENCHMARKS.md)."""
+    import torch
+
     key = (step, *((name, None if t is None else (tuple(t.shape), t.dtype)) for name, t in fresh.items()))
     kept = buffers.get(key)
     if kept is None:
         kept = buffers[key] = {name: None if t is None else t.clone() for name, t in fresh.items()}
+    by_dtype: dict = {}  # torch's foreach kernel takes one dtype
     for name, t in fresh.items():
         if t is not None:
-            kept[name].copy_(t)
+            by_dtype.setdefault(t.dtype, []).append(name)
+    for names in by_dtype.values():
+        torch._foreach_copy_([kept[name] for name in names], [fresh[name] for name in names])
     return SimpleNamespace(**kept)
 
 

@@ -117,6 +117,21 @@ def test_dropped_graphs_are_captured_again_from_their_next_sight():
     assert calls == [1, 1, 2] and not step.graphs
 
 
+def test_a_steps_fresh_inputs_land_in_its_own_buffers_in_one_launch():
+    buffers = {}
+    first = glue.static_copies(buffers, "step", a=torch.tensor([1, 2]), b=torch.tensor([3]), c=None,
+                               d=torch.tensor([4.0]))
+    with Dispatched() as ops:
+        again = glue.static_copies(buffers, "step", a=torch.tensor([5, 6]), b=torch.tensor([7]), c=None,
+                                   d=torch.tensor([8.0]))
+    assert again.a is first.a and again.b is first.b and again.d is first.d and again.c is None  # what a graph reads
+    assert again.a.tolist() == [5, 6] and again.b.tolist() == [7] and again.d.tolist() == [8.0]
+    assert ops.count(*COPIES) == 0 and ops.count(torch.ops.aten._foreach_copy_.default) == 2  # one per dtype
+    other = glue.static_copies(buffers, "step", a=torch.tensor([5, 6, 7]), b=torch.tensor([7]), c=None,
+                               d=torch.tensor([8.0]))
+    assert other.a is not first.a and other.b is not first.b  # another shape: buffers of its own
+
+
 def gdn_worker(slots):
     linear = SimpleNamespace(forward_metadata=SimpleNamespace(mamba_cache_indices=slots))
     return SimpleNamespace(target_worker=SimpleNamespace(model_runner=SimpleNamespace(
