@@ -107,6 +107,21 @@ def test_a_kernel_launched_early_under_pdl_is_charged_only_for_its_own_run():
     assert s["gpu_busy_ms"] == pytest.approx(0.15)
 
 
+def test_idle_gaps_inside_a_step_are_listed_by_the_kernels_around_them():
+    """A copy between two kernels, or a kernel that waits for the whole one before it, leaves the GPU idle; a gap as
+    long as the host's between steps is not counted; overlapping kernels (PDL, a side stream) leave none."""
+    trace = {"traceEvents": [
+        kernel("_rms_norm_quant_kernel", 0, 10), kernel("memcpy32_post", 13, 2), kernel("_w8a8_gemm_kernel", 19, 50),
+        kernel("_conv_update_kernel", 60, 20),  # launched early under PDL: no gap
+        kernel("_rms_norm_quant_kernel", 200, 10),  # 120 us later: the host between steps
+        kernel("memcpy32_post", 212, 2), kernel("_w8a8_gemm_kernel", 218, 50)]}
+    s = summarize(trace, steps=2)
+    assert s["gap_cycle_us"] == pytest.approx((3 + 4 + 2 + 4) / 2)
+    assert s["top_gaps"] == [("memcpy32_post", "_w8a8_gemm_kernel", 1.0, pytest.approx(4.0)),
+                             ("_rms_norm_quant_kernel", "memcpy32_post", 1.0, pytest.approx(2.5))]
+    assert "| `memcpy32_post` | `_w8a8_gemm_kernel` | 1.0 | 4.00 |" in render(s, "title")
+
+
 def test_kernels_are_grouped_by_the_graph_replay_that_launched_them():
     events = [runtime("cudaGraphLaunch", 1), runtime("cudaGraphLaunch", 2), runtime("cudaLaunchKernel", 3),
               runtime("cudaGraphLaunch", 4)]

@@ -52,6 +52,7 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # torch profiler chrome
 # process-result), the model runner's forward steps inside run_batch, and the CUDA-graph launch calls.
 HOST_SPANS = r"^scheduler\.|^step\[|^copy_result_to_cpu$|^cudaGraphLaunch$"
 TOP_KERNELS = 40  # kernels listed by name: what each family is made of, e.g. torch's elementwise kernels
+TOP_GAPS, STEP_GAP_US = 12, 50  # idle gaps listed by the kernels around them; a longer one is the host between steps
 SKIP_CHUNKS = 4  # streamed chunks (one per scheduler step) before profiling starts: prefill and first steps excluded
 # tokens of the profiled request: room for the skipped steps and the recorded ones, a window of cycles each
 PROFILED_LEN = 4 * OUTPUT_LEN
@@ -109,6 +110,22 @@ def own_times(kernels: list[dict]) -> dict[int, float]:
     return own
 
 
+def gaps(kernels: list[dict]) -> tuple[float, dict[tuple[str, str], tuple[int, float]]]:
+    """The GPU's idle gaps shorter than STEP_GAP_US (inside a step: launch latency, a kernel that waits for the
+    whole one before it, a copy-engine memcpy): their total (us) and, by (the kernel that ended last, the next
+    kernel), their count and time. A kernel without PDL behind a kernel, or a copy between two, shows here."""
+    by_pair, total, reach, last = {}, 0.0, None, None
+    for e in sorted(kernels, key=lambda e: e["ts"]):
+        idle = 0.0 if reach is None else e["ts"] - reach
+        if 0 < idle < STEP_GAP_US:
+            pair = (short_name(last["name"], 60), short_name(e["name"], 60))
+            count, us = by_pair.get(pair, (0, 0.0))
+            by_pair[pair], total = (count + 1, us + idle), total + idle
+        if reach is None or e["ts"] + e["dur"] > reach:
+            reach, last = e["ts"] + e["dur"], e
+    return total, by_pair
+
+
 def launch_groups(events: list[dict], kernels: list[dict], own: dict[int, float]) -> dict[str, float]:
     """GPU time (us) by launch: per kind of CUDA-graph replay, and the kernels launched one at a time as eager."""
     named, eager = graph_replays(events, kernels)
@@ -148,6 +165,7 @@ def summarize(trace: dict, steps: int) -> dict:
     named = graph_replays(events, kernels)[0]
     cycles = len(named.get("verify graph", ())) + len(named.get("cycle graph", ())) or steps  # a window: several a step
     order = sorted(per_family, key=per_family.get, reverse=True)
+    gap_us, gap_pairs = gaps(kernels)
     return {
         "steps": steps, "window_ms": window_us * ms, "gpu_busy_ms": busy_us * ms, "gpu_idle_ms": (window_us - busy_us) * ms,
         "cycles": cycles, "gpu_cycle_ms": busy_us * 1e-3 / cycles, "kernels_per_cycle": len(kernels) / cycles,
@@ -159,6 +177,10 @@ def summarize(trace: dict, steps: int) -> dict:
         "top_kernels": [(n, f, launches / cycles, us * 1e-3 / cycles)
                         for n, (us, launches, f) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]],
         "host": {k: v * ms for k, v in sorted(host.items(), key=lambda kv: -kv[1])},
+        "gap_cycle_us": gap_us / cycles,
+        # (kernel before, kernel after, gaps per cycle, us per cycle), the largest first
+        "top_gaps": [(before, after, count / cycles, us / cycles) for (before, after), (count, us)
+                     in sorted(gap_pairs.items(), key=lambda kv: -kv[1][1])[:TOP_GAPS]],
     }
 
 
@@ -190,6 +212,11 @@ def render(summary: dict, title: str, family_floors: dict[str, float] | None = N
         lines += ["", "Largest kernels outside the families: " + ", ".join(f"`{n}` {v:.3f} ms" for n, v in summary["top_other"])]
     lines += ["", "| kernel | family | launches per cycle | ms per cycle |", "| --- | --- | ---: | ---: |"]
     lines += [f"| `{n}` | {f} | {launches:.1f} | {ms:.4f} |" for n, f, launches, ms in summary["top_kernels"]]
+    if summary["top_gaps"]:
+        lines += ["", f"GPU idle inside a step (gaps under {STEP_GAP_US} us): {summary['gap_cycle_us']:.1f} us per "
+                  "cycle; the largest by the kernels around them:", "",
+                  "| idle after | before | gaps per cycle | us per cycle |", "| --- | --- | ---: | ---: |"]
+        lines += [f"| `{a}` | `{b}` | {n:.1f} | {us:.2f} |" for a, b, n, us in summary["top_gaps"]]
     return "\n".join(lines) + "\n"
 
 
