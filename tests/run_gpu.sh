@@ -26,7 +26,8 @@ set -uo pipefail
 # The device tool brings back at most 8 files: everything is staged, then packed into $OUT/run.tgz, with the
 # benchmark table beside it.
 FINAL=${OUT:-/tmp/qflash-out}
-OUT=/tmp/qflash-stage
+RUN=$(mktemp -d /tmp/qflash-run.XXXX)  # this call's own: a warm machine keeps an earlier call's files
+OUT=$RUN/stage
 status=0  # non-zero at the end if the tests or a benchmark failed
 mkdir -p "$OUT" "$FINAL"
 DEADLINE=${DEADLINE:-560}
@@ -78,9 +79,9 @@ fi
 
 if [ "${BENCH_KERNELS:-0}" = 1 ]; then
   # shellcheck disable=SC2086
-  timeout "$(within "${BENCH_KERNELS_TIMEOUT:-240}")" python3 -m qflash.server.cli bench-kernels --out /tmp/kbench ${BENCH_KERNELS_ARGS:-} > /tmp/kbench.log 2>&1 || status=1
-  tail -n 20 /tmp/kbench.log
-  cp /tmp/kbench/kernels.md /tmp/kbench/kernels.json "$OUT/" 2>/dev/null
+  timeout "$(within "${BENCH_KERNELS_TIMEOUT:-240}")" python3 -m qflash.server.cli bench-kernels --out $RUN/kbench ${BENCH_KERNELS_ARGS:-} > $RUN/kbench.log 2>&1 || status=1
+  tail -n 20 $RUN/kbench.log
+  cp $RUN/kbench/kernels.md $RUN/kbench/kernels.json "$OUT/" 2>/dev/null
 fi
 
 if [ -n "${AB_TREE:-}" ]; then
@@ -91,35 +92,35 @@ if [ -n "${AB_TREE:-}" ]; then
     side=$([ "$tree" = . ] && echo checkout || echo "ref-${tree#.}")
     python3 -m pip install -q --no-deps --no-build-isolation -e "$tree" || exit 1
     # shellcheck disable=SC2086
-    timeout "$(within "${AB_TIMEOUT:-250}")" python3 -m qflash.server.cli bench --systems qflash --out "/tmp/ab-$side" ${AB_ARGS:-} \
-      > "/tmp/ab-$side.log" 2>&1 || status=1
-    tail -n 8 "/tmp/ab-$side/results.md"
-    cp "/tmp/ab-$side/run.json" "$OUT/ab-$side.json" 2>/dev/null
-    for f in /tmp/ab-"$side"/profiles/*.md; do [ -e "$f" ] && cp "$f" "$OUT/ab-$side-$(basename "$f")"; done
+    timeout "$(within "${AB_TIMEOUT:-250}")" python3 -m qflash.server.cli bench --systems qflash --out "$RUN/ab-$side" ${AB_ARGS:-} \
+      > "$RUN/ab-$side.log" 2>&1 || status=1
+    tail -n 8 "$RUN/ab-$side/results.md"
+    cp "$RUN/ab-$side/run.json" "$OUT/ab-$side.json" 2>/dev/null
+    for f in $RUN/ab-"$side"/profiles/*.md; do [ -e "$f" ] && cp "$f" "$OUT/ab-$side-$(basename "$f")"; done
     pack  # each tree's results survive a call that the device's time limit stops during the next
   done
 fi
 
 if [ -n "${BENCH:-}" ]; then
   # shellcheck disable=SC2086
-  timeout "$(within "${BENCH_TIMEOUT:-480}")" python3 -m qflash.server.cli bench --systems "$BENCH" --out /tmp/bench ${BENCH_ARGS:-} > /tmp/bench.log 2>&1 || status=1
-  tail -n 40 /tmp/bench.log
+  timeout "$(within "${BENCH_TIMEOUT:-480}")" python3 -m qflash.server.cli bench --systems "$BENCH" --out $RUN/bench ${BENCH_ARGS:-} > $RUN/bench.log 2>&1 || status=1
+  tail -n 40 $RUN/bench.log
   pkill -f sglang.launch_server
-  cp /tmp/bench/results.json /tmp/bench/results.md /tmp/bench/run.json /tmp/bench/latency.png /tmp/bench/workloads.png "$OUT/" 2>/dev/null
-  cp /tmp/bench/profiles/*.md /tmp/bench/profiles/*.json "$OUT/" 2>/dev/null
-  for d in /tmp/bench/profiles/traces/*/; do cp "$d"*.trace.json.gz "$OUT/$(basename "$d").trace.json.gz" 2>/dev/null; done
-  grep -h -A3 "^Per step" /tmp/bench/profiles/*.md 2>/dev/null | head -40
-  grep -h "qflash graphs\|qflash:" /tmp/bench/logs/*.log 2>/dev/null | sort | uniq -c | head -30
-  tar czf "$OUT/bench-logs.tgz" -C /tmp/bench logs 2>/dev/null
+  cp $RUN/bench/results.json $RUN/bench/results.md $RUN/bench/run.json $RUN/bench/latency.png $RUN/bench/workloads.png "$OUT/" 2>/dev/null
+  cp $RUN/bench/profiles/*.md $RUN/bench/profiles/*.json "$OUT/" 2>/dev/null
+  for d in $RUN/bench/profiles/traces/*/; do cp "$d"*.trace.json.gz "$OUT/$(basename "$d").trace.json.gz" 2>/dev/null; done
+  grep -h -A3 "^Per step" $RUN/bench/profiles/*.md 2>/dev/null | head -40
+  grep -h "qflash graphs\|qflash:" $RUN/bench/logs/*.log 2>/dev/null | sort | uniq -c | head -30
+  tar czf "$OUT/bench-logs.tgz" -C $RUN/bench logs 2>/dev/null
   pack
 fi
 if [ -n "${SWITCH_AB:-}" ]; then
   # shellcheck disable=SC2086
-  timeout "$(within "${SWITCH_AB_TIMEOUT:-300}")" python3 tests/switch_ab.py --switches "$SWITCH_AB" --out /tmp/switch-ab ${SWITCH_AB_ARGS:-} \
-    > /tmp/switch-ab.log 2>&1 || status=1
-  tail -n 20 /tmp/switch-ab.log
-  cp /tmp/switch-ab/ab.md /tmp/switch-ab/ab.json "$OUT/" 2>/dev/null
-  cp /tmp/switch-ab/*.log "$OUT/" 2>/dev/null
+  timeout "$(within "${SWITCH_AB_TIMEOUT:-300}")" python3 tests/switch_ab.py --switches "$SWITCH_AB" --out $RUN/switch-ab ${SWITCH_AB_ARGS:-} \
+    > $RUN/switch-ab.log 2>&1 || status=1
+  tail -n 20 $RUN/switch-ab.log
+  cp $RUN/switch-ab/ab.md $RUN/switch-ab/ab.json "$OUT/" 2>/dev/null
+  cp $RUN/switch-ab/*.log "$OUT/" 2>/dev/null
   pkill -f sglang.launch_server
 fi
 pack

@@ -204,7 +204,8 @@ def test_the_profiler_starts_before_the_request_or_a_few_cycles_in(tmp_path, mon
 
     from qflash.server.tools import profile
 
-    monkeypatch.setattr(profile, "_wait_for_trace", lambda folder: next(folder.glob("*.trace.json.gz")))
+    monkeypatch.setattr(profile, "TRACE_SETTLE_S", 0)
+    (tmp_path / "qflash-9.trace.json.gz").write_bytes(b"")  # an earlier run's trace in the same --out: not this one
     sent = []  # chunks streamed so far, per request
     prompts = []  # each request's input_ids
     started = []  # (request index, chunks it had streamed) at each /start_profile

@@ -220,15 +220,20 @@ def render(summary: dict, title: str, family_floors: dict[str, float] | None = N
     return "\n".join(lines) + "\n"
 
 
-def _wait_for_trace(folder: Path, timeout_s: float = 300) -> Path:
+TRACE_SETTLE_S = 5  # after a trace file appears, time for SGLang's exporter to finish writing it
+
+
+def _wait_for_trace(folder: Path, before: set[Path], timeout_s: float = 300) -> Path:
+    """The trace SGLang's profiler writes into `folder`, not one of the `before` an earlier run left there (an --out
+    used again)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        traces = sorted(folder.glob("*.trace.json.gz"))
+        traces = sorted(set(folder.glob("*.trace.json.gz")) - before)
         if traces:
-            time.sleep(5)  # let the exporter finish writing
+            time.sleep(TRACE_SETTLE_S)
             return traces[-1]
         time.sleep(2)
-    raise TimeoutError(f"no profiler trace in {folder} after {timeout_s:.0f} s")
+    raise TimeoutError(f"no new profiler trace in {folder} after {timeout_s:.0f} s")
 
 
 def prompts(prompt_len: int, cached: int) -> tuple[list[int], list[int]]:
@@ -247,6 +252,7 @@ def _profile_one(server, system: str, traces: Path, prompt_len: int, steps: int,
     profile = {"output_dir": str(traces), "num_steps": steps, "activities": ["CPU", "GPU"],
                "profile_prefix": system, "with_stack": with_stack, "record_shapes": False}
     traces.mkdir(parents=True, exist_ok=True)
+    before = set(traces.glob("*.trace.json.gz"))
     for index, prompt in enumerate(prompts(prompt_len, cached)):  # a warm-up request, then the profiled one
         if index and prefill:
             requests.post(server.base_url + "/start_profile", json=profile, timeout=120).raise_for_status()
@@ -257,7 +263,7 @@ def _profile_one(server, system: str, traces: Path, prompt_len: int, steps: int,
             for n, _ in enumerate(chunks):
                 if index and not prefill and n == SKIP_CHUNKS:
                     requests.post(server.base_url + "/start_profile", json=profile, timeout=120).raise_for_status()
-    return _wait_for_trace(traces)
+    return _wait_for_trace(traces, before)
 
 
 def profile_buckets(server, system: str, out: Path, prompt_lens: list[int], steps: int, flags: list[str] = (),
