@@ -301,6 +301,8 @@ def test_bench_kernels_table_renders():
     assert "| verify | mlp.down_proj | 16 | 2560x9216 | 14.0 | - | 12.0 | 8.0 | 2949 (69%) | 94 | 1.50x |" in table
     assert "| 16 | 300.0 | 170.0 | 87% | 190.0 | 160.0 |" in table
     assert "SGLang int8 1200 us, qflash 800 us (1.50x)" in table
+    table = render([row], [head], {"sglang_us": 1200.0, "qflash_us": 800.0, "worst_vs_sglang": 1.5}, "NVIDIA H100 80GB HBM3")
+    assert "(% of the H100's 3.0 TB/s)" in table and "| 2949 (98%) |" in table  # the card's own copy rate
 
 
 SM90_SHARED_MEMORY = 232448  # bytes of shared memory one program may hold on an H200

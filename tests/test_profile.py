@@ -71,7 +71,10 @@ def test_summary_per_step_with_idle_time_and_overlapping_streams():
     assert "| qflash W8A8 GEMM | 0.150 | 15% | 0.5 | 0.150 (0.100, 1.5x) |" in table
     assert "| Gated-DeltaNet | 0.100 | 10% | 0.5 | 0.100 (0.050, 2.0x) |" in table
     assert "| qflash fused argmax | 0.050 | 5% | 0.5 | 0.050 |" in table
-    assert "Byte floor 0.150 ms per cycle (3.0x)." in table
+    assert "Byte floor 0.150 ms per cycle (3.0x) at the H200's 4.3 TB/s." in table  # a trace that names no card
+    s = summarize({**trace, "deviceProperties": [{"id": 0, "name": "NVIDIA H100 80GB HBM3"}]}, steps=2)
+    assert s["device"] == "NVIDIA H100 80GB HBM3"
+    assert "at the H100's 3.0 TB/s." in render(s, "title", {"qflash W8A8 GEMM": 0.1})
 
 
 def test_kernels_are_listed_by_symbol_without_return_type_or_parameters():
@@ -88,14 +91,19 @@ def test_kernels_are_listed_by_symbol_without_return_type_or_parameters():
 
 
 def test_the_byte_floor_of_a_cycle():
-    from qflash.server.tools.floors import HBM_TBPS, per_cycle_ms
+    from qflash.server.tools.floors import card_rate, per_cycle_ms
 
-    short, long = per_cycle_ms(64), per_cycle_ms(8192)
+    short, long = per_cycle_ms(64), per_cycle_ms(8192)  # on the H200, where issue 23's targets are set
     # the int8 target body and drafter layers (~4.06 GB), the int8 vocabulary twice (0.64 GB each): issue 23's figures
-    assert short["qflash W8A8 GEMM"] * HBM_TBPS * 1e9 == pytest.approx(4.06e9, rel=0.01)
+    assert short["qflash W8A8 GEMM"] * 4.3e9 == pytest.approx(4.06e9, rel=0.01)
     assert short["qflash W8A16 lm_head"] == short["qflash fused argmax"] == pytest.approx(0.636e9 / 4.3e9, rel=0.01)
     assert 1.3 < sum(short.values()) < sum(long.values()) < 1.45  # only attention grows with the context
     assert {f for f in short if short[f] != long[f]} == {"attention"}
+    # each card at its own measured copy rate; a card without one at the H200's, which the label then names
+    assert card_rate("NVIDIA H100 80GB HBM3") == ("H100", 3.0) and card_rate("NVIDIA H200") == ("H200", 4.3)
+    assert card_rate("NVIDIA A100-SXM4-80GB") == ("H200", 4.3)
+    h100 = per_cycle_ms(64, "NVIDIA H100 80GB HBM3")
+    assert all(h100[f] == pytest.approx(short[f] * 4.3 / 3.0) for f in short)
 
 
 def test_a_kernel_launched_early_under_pdl_is_charged_only_for_its_own_run():

@@ -22,7 +22,7 @@ from qflash.kernels.w8a16_gemm import w8a16_gemm
 from qflash.kernels.w8a8_gemm import w8a8_gemm
 from qflash.server.launcher import require_gpu
 from qflash.server.preset import BLOCK_SIZE
-from qflash.server.tools.floors import HBM_TBPS
+from qflash.server.tools.floors import REFERENCE_CARD, card_rate
 from qflash.server.tools.shapes import ATTENTION_HEADS, DRAFTER, GDN_HEADS, LM_HEAD, TARGET, TARGET_COUNT
 from qflash.server.tools.timing import cold_us, eager_us, host_us
 
@@ -75,7 +75,7 @@ def lm_head_row(m: int) -> dict:
            "w8a16_us": time_us(lambda: w8a16_gemm(x, w, w_scale, "lm_head")),
            "w8a16_then_argmax_us": time_us(lambda: w8a16_gemm(x, w, w_scale, "lm_head").argmax(-1)),
            "fused_argmax_us": time_us(lambda: w8a16_argmax(x, w, w_scale, "lm_head"))}
-    row["w8a16_hbm_pct"] = 100 * n * k / row["w8a16_us"] / 1e6 / HBM_TBPS
+    row["w8a16_hbm_pct"] = 100 * n * k / row["w8a16_us"] / 1e6 / card_rate(torch.cuda.get_device_name())[1]
     return row
 
 
@@ -208,12 +208,14 @@ def _f(v, spec=".1f"):
     return "-" if v is None else f"{v:{spec}}"
 
 
-def render(gemms: list[dict], heads: list[dict], step: dict) -> str:
-    out = ["| phase | GEMM | M | N x K | cuBLAS bf16 us | _int_mm us | SGLang int8 us | qflash us | qflash weight GB/s (% of 4.3 TB/s) | TOPS | vs SGLang |",
+def render(gemms: list[dict], heads: list[dict], step: dict, device_name: str = REFERENCE_CARD) -> str:
+    """The GEMM and lm_head tables; bandwidth as a share of the card's measured copy rate (floors.card_rate)."""
+    card, tbps = card_rate(device_name)
+    out = [f"| phase | GEMM | M | N x K | cuBLAS bf16 us | _int_mm us | SGLang int8 us | qflash us | qflash weight GB/s (% of the {card}'s {tbps} TB/s) | TOPS | vs SGLang |",
            "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in gemms:
         out.append(f"| {r['phase']} | {r['gemm']} | {r['M']} | {r['N']}x{r['K']} | {_f(r['cublas_bf16_us'])} | {_f(r['int_mm_us'])} "
-                   f"| {_f(r['sglang_int8_us'])} | {_f(r['qflash_us'])} | {r['qflash_weight_gbps']:.0f} ({r['qflash_weight_gbps'] / HBM_TBPS / 10:.0f}%) "
+                   f"| {_f(r['sglang_int8_us'])} | {_f(r['qflash_us'])} | {r['qflash_weight_gbps']:.0f} ({r['qflash_weight_gbps'] / tbps / 10:.0f}%) "
                    f"| {r['qflash_tops']:.0f} | {_f(r['vs_sglang'], '.2f')}x |")
     out += ["", "| lm_head M | cuBLAS bf16 us | W8A16 us | W8A16 % of HBM | W8A16 + torch.argmax us | fused argmax us |",
             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -243,7 +245,7 @@ def run_bench_kernels(out: Path, skip_gemms: bool = False) -> int:
                 "qflash_us": sum(TARGET_COUNT[g] * verify16[g]["qflash_us"] for g in TARGET_COUNT),
                 "worst_vs_sglang": min(r["vs_sglang"] for r in gemms if r["vs_sglang"] is not None)}
         data.update(gemms=gemms, lm_head=heads, verify_step=step)
-        tables.insert(0, render(gemms, heads, step))
+        tables.insert(0, render(gemms, heads, step, torch.cuda.get_device_name()))
     table = f"{torch.cuda.get_device_name()}: `qflash bench-kernels --out {out}{' --skip-gemms' if skip_gemms else ''}`\n\n"
     table += "\n".join(tables)
     (out / "kernels.md").write_text(table)

@@ -13,7 +13,16 @@ from qflash.server.preset import DRAFTER_CONFIG
 from qflash.server.tools.shapes import (ATTENTION_HEADS, ATTENTION_LAYERS, DRAFTER, GDN_HEADS, GDN_LAYERS, HIDDEN,
                                         LM_HEAD, TARGET, TARGET_COUNT)
 
-HBM_TBPS = 4.3  # device-to-device copy rate measured on the H200 (read + write)
+# Device-to-device copy rate (read + write, TB/s) measured on each card the device tool lends, by a word of its name
+# (the H100's: BENCHMARKS.md, 2026-12-05, thirty-sixth session). Issue 23's targets are set on the H200.
+COPY_TBPS = {"H200": 4.3, "H100": 3.0}
+REFERENCE_CARD = "H200"  # the rate a card without a measured one is held to
+
+
+def card_rate(device_name: str) -> tuple[str, float]:
+    """(the card whose measured copy rate applies to `device_name`, that rate in TB/s)."""
+    card = next((card for card in COPY_TBPS if card in device_name), REFERENCE_CARD)
+    return card, COPY_TBPS[card]
 
 
 def _bytes_per_cycle(context: int) -> dict[str, float]:
@@ -38,6 +47,7 @@ def _bytes_per_cycle(context: int) -> dict[str, float]:
     }
 
 
-def per_cycle_ms(context: int) -> dict[str, float]:
-    """Each family's floor in ms per cycle at `context` tokens of KV cache, at HBM_TBPS."""
-    return {family: size / (HBM_TBPS * 1e9) for family, size in _bytes_per_cycle(context).items()}
+def per_cycle_ms(context: int, device_name: str = REFERENCE_CARD) -> dict[str, float]:
+    """Each family's floor in ms per cycle at `context` tokens of KV cache, at the card's copy rate."""
+    tbps = card_rate(device_name)[1]
+    return {family: size / (tbps * 1e9) for family, size in _bytes_per_cycle(context).items()}

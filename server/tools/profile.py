@@ -166,8 +166,9 @@ def summarize(trace: dict, steps: int) -> dict:
     cycles = len(named.get("verify graph", ())) + len(named.get("cycle graph", ())) or steps  # a window: several a step
     order = sorted(per_family, key=per_family.get, reverse=True)
     gap_us, gap_pairs = gaps(kernels)
+    device = (trace.get("deviceProperties") or [{}])[0].get("name", "")  # torch's profiler names the GPU
     return {
-        "steps": steps, "window_ms": window_us * ms, "gpu_busy_ms": busy_us * ms, "gpu_idle_ms": (window_us - busy_us) * ms,
+        "device": device, "steps": steps, "window_ms": window_us * ms, "gpu_busy_ms": busy_us * ms, "gpu_idle_ms": (window_us - busy_us) * ms,
         "cycles": cycles, "gpu_cycle_ms": busy_us * 1e-3 / cycles, "kernels_per_cycle": len(kernels) / cycles,
         "families": {f: per_family[f] * ms for f in order},
         "family_kernels_per_cycle": {f: counts[f] / cycles for f in order},
@@ -194,7 +195,8 @@ def render(summary: dict, title: str, family_floors: dict[str, float] | None = N
              f"{summary['cycles']} cycles, GPU busy {summary['gpu_cycle_ms']:.3f} ms and "
              f"{summary['kernels_per_cycle']:.0f} kernels per cycle."
              + (f" Byte floor {sum(family_floors.values()):.3f} ms per cycle "
-                f"({summary['gpu_cycle_ms'] / sum(family_floors.values()):.1f}x)." if family_floors else ""), "",
+                f"({summary['gpu_cycle_ms'] / sum(family_floors.values()):.1f}x) at the %s's %.1f TB/s."
+                % floors.card_rate(summary["device"]) if family_floors else ""), "",
              "| kernel family | ms per step | share of window | kernels per cycle | ms per cycle (floor, x floor) |",
              "| --- | ---: | ---: | ---: | ---: |"]
     counts = summary["family_kernels_per_cycle"]
@@ -279,7 +281,7 @@ def profile_buckets(server, system: str, out: Path, prompt_lens: list[int], step
         extra = ((" --prefill" if prefill else "") + (f" --cached {cached}" if cached else "")
                  + (" --with-stack" if with_stack else "") + (f" {' '.join(flags)}" if flags else ""))
         title = f"`qflash profile --system {system} --prompt-len {prompt_len} --steps {steps}{extra}`: {trace_path.name}"
-        table = render(summary, title, floors.per_cycle_ms(prompt_len) if system == "qflash" and not prefill else None)
+        table = render(summary, title, floors.per_cycle_ms(prompt_len, summary["device"]) if system == "qflash" and not prefill else None)
         (out / f"{system}-{prompt_len}{kind}-profile.md").write_text(table)
         report[prompt_len] = summary
         print(table)
