@@ -18,6 +18,10 @@ def test_kernel_names_map_to_their_families():
     assert family("_w8a8_gemm_kernel") == "qflash W8A8 GEMM"
     assert family("_w8a16_argmax_kernel") == "qflash fused argmax"
     assert family("_argmax_pick_kernel") == "sampling, argmax, top-k"  # its pick over the tiles' maxima
+    # torch's argmax over the verify's logits (SGLang's greedy verify), not a norm's reduction
+    assert family("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>, "
+                  "unsigned int, long, 4, 4> >(at::native::ReduceOp<float, at::native::ArgMaxOps<float>, unsigned int, "
+                  "long, 4, 4>)") == "sampling, argmax, top-k"
     assert family("chunk_gated_delta_rule_fwd_kernel_h_blockdim64") == "Gated-DeltaNet"
     assert family("fused_recurrent_gated_delta_rule_fwd_kernel") == "Gated-DeltaNet"
     assert family("_gdn_verify_kernel") == family("_gdn_fold_kernel") == "Gated-DeltaNet"  # kernels/gdn_verify.py

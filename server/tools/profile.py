@@ -39,7 +39,7 @@ FAMILIES = [
     ("bf16 GEMM (cuBLAS / CUTLASS)", r"gemm|cutlass|nvjet|xmma|sm90_|ampere_|cublas"),
     ("Gated-DeltaNet", r"gated_delta|delta_rule|fused_recurrent|chunk_|gdn|conv1d|causal_conv|conv_update|mamba|fused_gdn"),
     # norms before attention: flashinfer's norm kernels are named flashinfer::norm::...
-    ("norms, rotary, activations", r"norm|rotary|rope|silu|sigmoid_mul|gelu|act_and_mul|elementwise|vectorized|unrolled|reduce_kernel"),
+    ("norms, rotary, activations", r"norm|rotary|rope|silu|sigmoid_mul|gelu|act_and_mul|elementwise|vectorized|unrolled"),
     ("attention", r"attention|attn|_fwd_kernel|decode_kernel|extend|flash|_prefix_split_kernel|_merge_block_kernel"),
     ("sampling, argmax, top-k", r"argmax|argmin|topk|sort|softmax|sampl|cumsum|gather|scatter|index"),
     ("copies and fills", r"memcpy|memset|copy|fill|cat"),
