@@ -295,7 +295,7 @@ def test_bench_kernels_table_renders():
     row = {"phase": "verify", "gemm": "mlp.down_proj", "M": 16, "N": 2560, "K": 9216, "cublas_bf16_us": 14.0,
            "int_mm_us": None, "sglang_int8_us": 12.0, "qflash_us": 8.0, "qflash_weight_gbps": 2949.1,
            "qflash_tops": 94.4, "vs_sglang": 1.5}
-    head = {"M": 16, "cublas_bf16_us": 300.0, "w8a16_us": 170.0, "w8a16_hbm_pct": 87.0,
+    head = {"M": 16, "cublas_bf16_us": 300.0, "w8a16_us": 170.0, "w8a16_weight_gbps": 3741.0,
             "w8a16_then_argmax_us": 190.0, "fused_argmax_us": 160.0}
     table = render([row], [head], {"sglang_us": 1200.0, "qflash_us": 800.0, "worst_vs_sglang": 1.5})
     assert "| verify | mlp.down_proj | 16 | 2560x9216 | 14.0 | - | 12.0 | 8.0 | 2949 (69%) | 94 | 1.50x |" in table
@@ -303,6 +303,7 @@ def test_bench_kernels_table_renders():
     assert "SGLang int8 1200 us, qflash 800 us (1.50x)" in table
     table = render([row], [head], {"sglang_us": 1200.0, "qflash_us": 800.0, "worst_vs_sglang": 1.5}, "NVIDIA H100 80GB HBM3")
     assert "(% of the H100's 3.0 TB/s)" in table and "| 2949 (98%) |" in table  # the card's own copy rate
+    assert "| 16 | 300.0 | 170.0 | 125% |" in table  # the lm_head's share too
 
 
 SM90_SHARED_MEMORY = 232448  # bytes of shared memory one program may hold on an H200

@@ -75,7 +75,7 @@ def lm_head_row(m: int) -> dict:
            "w8a16_us": time_us(lambda: w8a16_gemm(x, w, w_scale, "lm_head")),
            "w8a16_then_argmax_us": time_us(lambda: w8a16_gemm(x, w, w_scale, "lm_head").argmax(-1)),
            "fused_argmax_us": time_us(lambda: w8a16_argmax(x, w, w_scale, "lm_head"))}
-    row["w8a16_hbm_pct"] = 100 * n * k / row["w8a16_us"] / 1e6 / card_rate(torch.cuda.get_device_name())[1]
+    row["w8a16_weight_gbps"] = n * k / row["w8a16_us"] / 1e3
     return row
 
 
@@ -219,7 +219,7 @@ def render(gemms: list[dict], heads: list[dict], step: dict, device_name: str = 
                    f"| {r['qflash_tops']:.0f} | {_f(r['vs_sglang'], '.2f')}x |")
     out += ["", "| lm_head M | cuBLAS bf16 us | W8A16 us | W8A16 % of HBM | W8A16 + torch.argmax us | fused argmax us |",
             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
-    out += [f"| {h['M']} | {_f(h['cublas_bf16_us'])} | {_f(h['w8a16_us'])} | {h['w8a16_hbm_pct']:.0f}% "
+    out += [f"| {h['M']} | {_f(h['cublas_bf16_us'])} | {_f(h['w8a16_us'])} | {h['w8a16_weight_gbps'] / tbps / 10:.0f}% "
             f"| {_f(h['w8a16_then_argmax_us'])} | {_f(h['fused_argmax_us'])} |" for h in heads]
     out += ["", f"One target verify step at M = 16, all {sum(TARGET_COUNT.values())} body GEMMs: "
             f"SGLang int8 {step['sglang_us']:.0f} us, qflash {step['qflash_us']:.0f} us ({step['sglang_us'] / step['qflash_us']:.2f}x); "

@@ -190,13 +190,14 @@ def render(summary: dict, title: str, family_floors: dict[str, float] | None = N
     floor."""
     window, family_floors = summary["window_ms"], family_floors or {}
     per_cycle = summary["steps"] / summary["cycles"]  # a family's ms per step -> per cycle
+    card, tbps = floors.card_rate(summary["device"])
     lines = [title, "", f"Per step (mean of {summary['steps']}): window {window:.3f} ms, GPU busy "
              f"{summary['gpu_busy_ms']:.3f} ms, GPU idle (host, gaps) {summary['gpu_idle_ms']:.3f} ms; "
              f"{summary['cycles']} cycles, GPU busy {summary['gpu_cycle_ms']:.3f} ms and "
              f"{summary['kernels_per_cycle']:.0f} kernels per cycle."
              + (f" Byte floor {sum(family_floors.values()):.3f} ms per cycle "
-                f"({summary['gpu_cycle_ms'] / sum(family_floors.values()):.1f}x) at the %s's %.1f TB/s."
-                % floors.card_rate(summary["device"]) if family_floors else ""), "",
+                f"({summary['gpu_cycle_ms'] / sum(family_floors.values()):.1f}x) at the {card}'s {tbps:.1f} TB/s."
+                if family_floors else ""), "",
              "| kernel family | ms per step | share of window | kernels per cycle | ms per cycle (floor, x floor) |",
              "| --- | ---: | ---: | ---: | ---: |"]
     counts = summary["family_kernels_per_cycle"]
