@@ -25,15 +25,27 @@ NEG = tl.constexpr(-1.0e30)  # "no key seen yet": finite, so exp(NEG - NEG) = 1 
 @triton.jit
 def _prefix_split_kernel(q_ptr, kbuf_ptr, vbuf_ptr, kv_indptr, kv_indices, acc_ptr, ml_ptr, sm_scale,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                         k_ptr, v_ptr, loc_ptr, stride_bkt, stride_bkh, stride_bvt, stride_bvh,
                          GROUP: tl.constexpr, L: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                          NSPLIT: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                         PDL: tl.constexpr):
+                         STORE: tl.constexpr, PDL: tl.constexpr):
     # One program per (request, KV head, split): the GROUP query heads sharing the KV head are its
     # GROUP * L rows, so each key and value of the split is read once.
     pdl.enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
+    offs_d = tl.arange(0, D)
+    offs_dv = tl.arange(0, DV)
+    if STORE and s == 0:
+        # The block's own keys and values into its cache slots, for the cycles after this one (nothing in this
+        # forward reads them there: the prefix's slots are others, and the merge reads the block's k and v as handed).
+        block_rows = b * L + tl.arange(0, L)
+        slot = tl.load(loc_ptr + block_rows).to(tl.int64)
+        k_new = tl.load(k_ptr + block_rows[:, None] * stride_bkt + kvh * stride_bkh + offs_d[None, :])
+        tl.store(kbuf_ptr + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], k_new)
+        v_new = tl.load(v_ptr + block_rows[:, None] * stride_bvt + kvh * stride_bvh + offs_dv[None, :])
+        tl.store(vbuf_ptr + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :], v_new)
     start = tl.load(kv_indptr + b)
     plen = tl.load(kv_indptr + b + 1) - start
     per = tl.cdiv(tl.cdiv(plen, NSPLIT), BLOCK_N) * BLOCK_N
@@ -44,8 +56,6 @@ def _prefix_split_kernel(q_ptr, kbuf_ptr, vbuf_ptr, kv_indptr, kv_indices, acc_p
     rows = tl.arange(0, GROUP * L)
     head = kvh * GROUP + rows // L
     token = rows % L
-    offs_d = tl.arange(0, D)
-    offs_dv = tl.arange(0, DV)
     offs_n = tl.arange(0, BLOCK_N)
     q = tl.load(q_ptr + (b * L + token)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :])
     m_i = tl.full([GROUP * L], NEG, tl.float32)
@@ -148,12 +158,14 @@ def _scratch(device, rows: int, heads: int, nsplit: int, block: int, dv: int) ->
 def block_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
                     custom_mask, is_causal, mask_indptr, max_len_extend, k_scale, v_scale, sm_scale=None,
                     logit_cap=0.0, skip_prefix_custom_mask=True, sliding_window_size=-1, sinks=None,
-                    window_kv_offsets=None, xai_temperature_len=-1, max_bs=None) -> bool:
+                    window_kv_offsets=None, xai_temperature_len=-1, max_bs=None, out_cache_loc=None) -> bool:
     """Every request extends by exactly `max_len_extend` tokens (a speculative block): q/k/v_extend
     [bs * K, heads, dim], the prefix's cache slots in kv_indices[kv_indptr[b]:kv_indptr[b + 1]]. Writes
     o_extend and returns True; returns False for what it does not serve (custom masks, sinks, soft caps,
     scaled KV, block sizes other than 16 or 32, head dims without a config, GQA groups that are not powers
-    of two)."""
+    of two), and then writes nothing. Given out_cache_loc [bs * K], the block's cache slots, it also stores k and
+    v_extend there in k and v_buffer (rows of [heads, dim] by slot), which SGLang's KV write would do in a launch of
+    its own."""
     block, bs = int(max_len_extend), qo_indptr.shape[0] - 1
     heads, dim = q_extend.shape[1], q_extend.shape[2]
     dv, kv_heads = v_extend.shape[2], k_extend.shape[1]
@@ -173,7 +185,8 @@ def block_attention(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, 
     _prefix_split_kernel[(bs, kv_heads, nsplit)](
         q_extend, k_buffer, v_buffer, kv_indptr, kv_indices, acc, ml, sm_scale,
         q_extend.stride(0), q_extend.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        **common, **config)
+        k_extend, v_extend, k_extend if out_cache_loc is None else out_cache_loc, k_extend.stride(0), k_extend.stride(1),
+        v_extend.stride(0), v_extend.stride(1), STORE=out_cache_loc is not None, **common, **config)
     merge_dv = min(MERGE_DV, dv)
     _merge_block_kernel[(bs, heads, dv // merge_dv)](
         q_extend, k_extend, v_extend, o_extend, kv_indptr, acc, ml, sm_scale,

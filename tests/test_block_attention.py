@@ -65,6 +65,25 @@ def test_block_attention_matches_float64(monkeypatch, causal, window):
     assert (p["o_extend"].double().cpu() - ref).abs().max().item() < 0.03  # bf16 inputs, bf16 P as SGLang's kernel
 
 
+def test_the_block_is_stored_in_its_cache_slots():
+    """Given the block's cache slots, the kernel also stores k and v_extend there, in place of SGLang's KV write:
+    exactly those rows change, to the block's, for requests with and without a prefix; the output is the same."""
+    p = problem([37, 0, 70])
+    free = torch.ones(256, dtype=torch.bool)
+    free[p["kv_indices"].cpu()] = False  # the block's slots are none of the prefix's
+    slots = free.nonzero().flatten()[torch.randperm(int(free.sum()), generator=torch.Generator().manual_seed(1))[:48]]
+    slots = slots.to(DEVICE)
+    expected_k, expected_v = p["k_buffer"].clone(), p["v_buffer"].clone()
+    expected_k[slots], expected_v[slots] = p["k_extend"], p["v_extend"]
+    p_store = dict(p, k_buffer=p["k_buffer"].clone(), v_buffer=p["v_buffer"].clone(), o_extend=p["o_extend"].clone())
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(ba, "CONFIGS", SMALL)
+        assert ba.block_attention(**p, is_causal=True, max_bs=4)
+        assert ba.block_attention(**p_store, is_causal=True, max_bs=4, out_cache_loc=slots)
+    assert torch.equal(p_store["k_buffer"], expected_k) and torch.equal(p_store["v_buffer"], expected_v)
+    assert torch.equal(p_store["o_extend"], p["o_extend"])
+
+
 def test_the_real_configs_run_qwen35_head_shapes():
     p = problem([50], heads=32, kv_heads=8, dim=128, seed=5)  # the DFlash drafter's heads, its real config
     assert ba.block_attention(**p, is_causal=False, sliding_window_size=4095, max_bs=1)
@@ -90,6 +109,7 @@ sys.path.insert(0, sys.argv[4])
 from conftest import Dispatched
 from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 from sglang.srt.layers.radix_attention import AttentionType
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, UnquantizedKVCacheMethod
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from qflash.kernels import block_attention as ba
 
@@ -131,12 +151,19 @@ class Pool:
 def never(*args, **kwargs):
     raise AssertionError("SGLang's extend kernel ran")
 
-def backend(**route):
+def backend(pool=None, **route):
     b = TritonAttnBackend.__new__(TritonAttnBackend)
     vars(b).update(page_size=1, dcp_size=1, enable_deterministic=False, allow_bidirectional_attention_in_extend=False,
-                   token_to_kv_pool=Pool(), forward_metadata=meta, req_to_token_pool=NS(size=4),
+                   token_to_kv_pool=pool or Pool(), forward_metadata=meta, req_to_token_pool=NS(size=4),
                    extend_attention_fwd=never, **route)
     return b
+
+def plain_pool():  # SGLang's own pool of plain rows by slot (its fields, no allocation); its KV write must not run
+    pool = MHATokenToKVPool.__new__(MHATokenToKVPool)
+    vars(pool).update(k_buffer=[k_cache.clone()], v_buffer=[v_cache.clone()], start_layer=0, layer_transfer_counter=None,
+                      quant_method=UnquantizedKVCacheMethod(), dtype=torch.bfloat16, store_dtype=torch.bfloat16, use_hnd=False,
+                      kv_cache_layout="nhd", set_kv_buffer=never)
+    return pool
 
 def forward(b):  # the output, and which of k and v the forward copied
     with Dispatched() as ops:
@@ -151,11 +178,17 @@ from sglang.srt.plugins import load_plugins
 load_plugins()
 mine = backend(use_verify_splitkv=False, verify_splitkv_fwd=never)
 mine_o, mine_copies = forward(mine)
+plain = backend(pool=plain_pool(), use_verify_splitkv=False, verify_splitkv_fwd=never)
+plain_o, plain_copies = forward(plain)
 print(json.dumps({"output equal": torch.equal(stock_o, mine_o), "output written": bool(mine_o.abs().sum() > 0),
                   "kv equal": torch.equal(stock.token_to_kv_pool.k, mine.token_to_kv_pool.k)
                               and torch.equal(stock.token_to_kv_pool.v, mine.token_to_kv_pool.v),
                   "block written": torch.equal(mine.token_to_kv_pool.v[block_slots], v),
-                  "copies": [stock_copies, mine_copies]}))
+                  "copies": [stock_copies, mine_copies],
+                  "plain pool: output equal": torch.equal(stock_o, plain_o),
+                  "plain pool: kv equal by the kernel": torch.equal(stock.token_to_kv_pool.k, plain.token_to_kv_pool.k_buffer[0])
+                              and torch.equal(stock.token_to_kv_pool.v, plain.token_to_kv_pool.v_buffer[0]),
+                  "plain pool: copies": plain_copies}))
 """
 
 
@@ -164,20 +197,23 @@ print(json.dumps({"output equal": torch.equal(stock_o, mine_o), "output written"
 def test_verify_forwards_run_block_attention_on_k_and_v_uncopied(attn_type, window):
     """SGLang's Triton backend, hooked, serves a verify forward with qflash's kernel on the block's k and v as the
     model hands them (strided column slices of the qkv projection): SGLang's route handed the same kernel copies.
-    Same output and KV cache bit for bit; the copies are gone."""
+    Same output and KV cache bit for bit; the copies are gone. In SGLang's pool of plain rows the kernel writes the
+    block's KV itself (the pool's write would raise), with the same cache as a result."""
     result = run_python(ROUTE, attn_type, str(window), DEVICE, str(REPO / "tests"), env={"SGLANG_PLUGINS": "qflash"})
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads(result.stdout.strip().splitlines()[-1])
     assert found == {"output equal": True, "output written": True, "kv equal": True, "block written": True,
-                     "copies": [["k", "v"], []]}
+                     "copies": [["k", "v"], []], "plain pool: output equal": True,
+                     "plain pool: kv equal by the kernel": True, "plain pool: copies": []}
 
 
 def stand_ins(**changes) -> tuple:
     """A verify forward the hook serves, with no tensor read: backend, layer, batch; `changes` replaces one of their
     attributes, named `object.attribute`."""
-    objects = {"backend": SimpleNamespace(page_size=1, dcp_size=1, enable_deterministic=False),
+    objects = {"backend": SimpleNamespace(page_size=1, dcp_size=1, enable_deterministic=False,
+                                          token_to_kv_pool=SimpleNamespace()),  # no pool the kernel writes
                "layer": SimpleNamespace(k_scale=None),
-               "batch": SimpleNamespace(forward_mode=SimpleNamespace(is_target_verify=lambda: True))}
+               "batch": SimpleNamespace(forward_mode=SimpleNamespace(is_target_verify=lambda: True), out_cache_loc=None)}
     change_attributes(objects, changes)
     return objects["backend"], objects["layer"], objects["batch"]
 
@@ -218,3 +254,17 @@ def test_a_block_the_kernel_declines_runs_sglangs_attention_on_the_written_kv(mo
     calls = []
     attention._block_on_strided_kv(lambda *args, **kwargs: calls.append(kwargs), backend, None, 1, 1, layer, batch)
     assert len(writes) == 1 and [c["save_kv_cache"] for c in calls] == [False]
+
+
+def test_a_block_the_kernel_declines_in_a_plain_pool_leaves_the_kv_write_to_sglang(monkeypatch):
+    """Where the kernel would have written the KV (a pool of plain rows) but declines the block, SGLang's attention
+    writes it: nothing was written before."""
+    from qflash.server.hooks import attention
+
+    monkeypatch.setattr(attention, "_block_attention", lambda *args: None)
+    monkeypatch.setattr(attention, "_plain_kv_slots", lambda *args: torch.arange(16))
+    monkeypatch.setattr(attention, "_write_kv", lambda *args: pytest.fail("the hook wrote the KV"))
+    backend, layer, batch = stand_ins()
+    calls = []
+    attention._block_on_strided_kv(lambda *args, **kwargs: calls.append(kwargs), backend, None, 1, 1, layer, batch)
+    assert [c["save_kv_cache"] for c in calls] == [True]

@@ -32,7 +32,8 @@ def test_block_attention_agrees_with_sglangs_extend_kernel(heads, kv_heads, dim,
 @pytest.mark.parametrize("heads, kv_heads, dim, causal, window", [(16, 4, 256, True, -1), (32, 8, 128, False, 4095)],
                          ids=["target", "draft-window"])
 def test_strided_k_and_v_give_the_bits_of_their_copies(heads, kv_heads, dim, causal, window):
-    """The verify route hands the kernel the block's q, k and v as column slices of one qkv projection's output."""
+    """The verify route hands the kernel the block's q, k and v as column slices of one qkv projection's output; in a
+    pool of plain rows, the kernel stores the block's k and v in the cache too."""
     ours = problem([3000, 64], heads, kv_heads, dim, pool=3200)
     rows = ours["q_extend"].shape[0]
     qkv = torch.cat([ours[name].reshape(rows, -1) for name in ("q_extend", "k_extend", "v_extend")], dim=1)
@@ -43,3 +44,14 @@ def test_strided_k_and_v_give_the_bits_of_their_copies(heads, kv_heads, dim, cau
     assert block_attention(**ours, is_causal=causal, sliding_window_size=window, max_bs=8)
     assert block_attention(**strided, is_causal=causal, sliding_window_size=window, max_bs=8)
     assert torch.equal(ours["o_extend"], strided["o_extend"])
+    # and with the block's KV stored by the kernel, in slots no prefix holds
+    free = torch.ones(3200, dtype=torch.bool, device=k.device)
+    free[ours["kv_indices"]] = False
+    slots = free.nonzero().flatten()[:rows]
+    stored = dict(strided, k_buffer=ours["k_buffer"].clone(), v_buffer=ours["v_buffer"].clone(),
+                  o_extend=torch.zeros_like(ours["o_extend"]))
+    assert block_attention(**stored, is_causal=causal, sliding_window_size=window, max_bs=8, out_cache_loc=slots)
+    assert torch.equal(ours["o_extend"], stored["o_extend"])
+    expected_k, expected_v = ours["k_buffer"].clone(), ours["v_buffer"].clone()
+    expected_k[slots], expected_v[slots] = strided["k_extend"], strided["v_extend"]
+    assert torch.equal(stored["k_buffer"], expected_k) and torch.equal(stored["v_buffer"], expected_v)

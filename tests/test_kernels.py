@@ -366,12 +366,13 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
         compile_for_sm90(commit_steps._gdn_commit_steps_kernel, lengths, {"TRACK": track, "BLOCK": 8})
     done.append(("commit_steps", {"BLOCK": 8}, None))
     pointers = {"q_ptr": "*bf16", "kbuf_ptr": "*bf16", "vbuf_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
-                "o_ptr": "*bf16", "kv_indptr": "*i32", "kv_indices": "*i64", "acc_ptr": "*fp32", "ml_ptr": "*fp32",
-                "sm_scale": "fp32"}
+                "o_ptr": "*bf16", "kv_indptr": "*i32", "kv_indices": "*i64", "loc_ptr": "*i64", "acc_ptr": "*fp32",
+                "ml_ptr": "*fp32", "sm_scale": "fp32"}
     for (dim, dv), config in block_attention.CONFIGS.items():
         for window in (0, 4095):
             common = dict(GROUP=4, L=16, D=dim, DV=dv, NSPLIT=config["NSPLIT"], WINDOW=window, DOT_DTYPE=triton.language.bfloat16)
-            compile_for_sm90(block_attention._prefix_split_kernel, pointers, {**common, **config})
+            for store in (True, False):  # the block's KV written by the split kernel, or by SGLang before it
+                compile_for_sm90(block_attention._prefix_split_kernel, pointers, {**common, **config, "STORE": store})
             for causal in (True, False):
                 compile_for_sm90(block_attention._merge_block_kernel, pointers,
                                  {**common, "CAUSAL": causal, "BLOCK_N": config["BLOCK_N"], "BLOCK_DV": block_attention.MERGE_DV,

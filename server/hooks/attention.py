@@ -5,9 +5,10 @@
   head), or through a split-KV verify kernel it switches on for AMD gfx95 only (`use_verify_splitkv`), handed
   `k.contiguous()` and `v.contiguous()`. The block's k and v are column slices of the qkv projection's output
   (the target's v, the drafter's k and v), so those are copies: 20 launches a cycle. qflash serves these
-  forwards before that call: the backend's KV write as SGLang makes it, then kernels/block_attention.py on the
-  strided rows, which declines (returns False) what it does not serve; that, and every other forward, runs
-  SGLang's `forward_extend`.
+  forwards before that call: kernels/block_attention.py on the strided rows, which declines (returns False) what
+  it does not serve; that, and every other forward, runs SGLang's `forward_extend`. Where the pool keeps plain
+  rows by slot, the block attention's split kernel also writes the block's KV; in any other pool the backend's KV
+  write runs first, as SGLang makes it.
 - Fresh prefills (plain causal, nothing cached: a prompt, or a batch of them): the backend keeps its extend kernel
   as an attribute, `extend_attention_fwd`, which is wrapped by kernels/flash_prefill.py (torch's fused SDPA and
   flash attention) as each backend is built; every other extend (cached prefixes, masks, windows, caps, scaled
@@ -51,10 +52,15 @@ def _block_on_strided_kv(original, self, q, k, v, layer, forward_batch, save_kv_
             and sinks is None and score_mod is None and not kwargs and layer.k_scale is None and self.dcp_size == 1
             and not self.enable_deterministic and getattr(forward_batch, "_attn_output", None) is None):
         return sglang()
-    if save_kv_cache:
+    slots = _plain_kv_slots(self, forward_batch) if save_kv_cache else None
+    if save_kv_cache and slots is None:
         _write_kv(self, layer, forward_batch, k, v)
-    o = _block_attention(self, q, k, v, layer)
-    return o if o is not None else sglang(save_kv_cache=False)  # the KV is written
+    o = _block_attention(self, q, k, v, layer, slots)
+    if o is not None:
+        return o
+    if slots is not None:  # declined before writing anything: the KV too is left to SGLang
+        return sglang()
+    return sglang(save_kv_cache=False)  # the KV is written
 
 
 def _write_kv(backend, layer, forward_batch, k, v) -> None:
@@ -66,10 +72,26 @@ def _write_kv(backend, layer, forward_batch, k, v) -> None:
     backend._set_kv_buffer(forward_batch, layer, loc, k, v)
 
 
+def _plain_kv_slots(backend, forward_batch):
+    """The block's cache slots where the backend's KV write is a plain store of each token's [heads, dim] rows into
+    the buffers `get_key_buffer` / `get_value_buffer` return, which block_attention then does in its split kernel
+    (SGLang's write is a launch of its own, without programmatic dependent launch); None for every other pool."""
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MHATokenToKVPool
+
+    pool, loc = backend.token_to_kv_pool, forward_batch.out_cache_loc
+    if type(pool) is HybridLinearKVPool and not pool.use_mla:  # the full-attention layers' pool, as its write picks
+        full_loc = backend.forward_metadata.out_cache_loc_full_physical
+        pool, loc = pool.full_kv_pool, loc if full_loc is None else full_loc
+    plain = (type(pool) is MHATokenToKVPool and not pool.is_quantized_kv_cache and pool.store_dtype == pool.dtype
+             and not pool.use_hnd and pool.kv_cache_layout == "nhd")
+    return loc if plain else None
+
+
 @torch.compiler.disable
-def _block_attention(backend, q, k, v, layer):
-    """The block's attention output [tokens, heads * value dim] by block_attention on k and v as they are; None for
-    what it does not serve. The prefix comes from the backend's metadata: the window's for a sliding-window layer."""
+def _block_attention(backend, q, k, v, layer, slots=None):
+    """The block's attention output [tokens, heads * value dim] by block_attention on k and v as they are (and k, v
+    stored in the cache at `slots`, when given); None for what it does not serve. The prefix comes from the
+    backend's metadata: the window's for a sliding-window layer."""
     from sglang.srt.layers.attention.triton_backend import logit_capping_mod
 
     from qflash.kernels.block_attention import block_attention
@@ -85,7 +107,7 @@ def _block_attention(backend, q, k, v, layer):
         logit_cap=logit_capping_mod(layer.logit_capping_method, layer.logit_cap),
         sliding_window_size=layer.sliding_window_size if windowed else -1,
         window_kv_offsets=meta.window_kv_offsets if windowed else None, xai_temperature_len=layer.xai_temperature_len,
-        max_bs=backend.req_to_token_pool.size)
+        max_bs=backend.req_to_token_pool.size, out_cache_loc=slots)
     return o if served else None
 
 
