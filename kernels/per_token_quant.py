@@ -58,4 +58,4 @@ def launch_config(k: int) -> dict:
     return {"BLOCK_K": block, "num_warps": min(max(block // (32 * ELEMENTS_PER_THREAD), 4), 32)}
 
 
-ELEMENTS_PER_THREAD = 16  # 2,560 and 4,096 wide rows: 8 warps; 9,216: 32 warps
+ELEMENTS_PER_THREAD = 8  # 2,560 and 4,096 wide rows: 16 warps; 9,216: 32 warps (BENCHMARKS.md, 2026-12-05)
