@@ -8,6 +8,8 @@ the splits' partial softmax sums and adds the block's own keys (causal for the t
 drafter), with the same sliding-window rule as SGLang's kernel. Its signature is that of SGLang's
 `verify_splitkv_fwd` (the Triton backend's verify hook): it returns False, doing nothing, for a case it does not serve.
 q, k and v are read through their row and head strides, so the column slices of a qkv projection need no copy.
+Given the block's cache slots, the split kernel also stores the block's k and v there (the KV write SGLang's backend
+would otherwise launch before it).
 """
 
 import os
