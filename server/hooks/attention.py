@@ -13,8 +13,8 @@
   as an attribute, `extend_attention_fwd`, which is wrapped by kernels/flash_prefill.py (torch's fused SDPA and
   flash attention) as each backend is built; every other extend (cached prefixes, masks, windows, caps, scaled
   KV, and batches while a CUDA graph is captured) reaches SGLang's kernel unchanged.
-Retire when SGLang's Triton backend has split-KV verify on CUDA, handed the block's k and v as they are, and a
-flash prefill path of its own.
+Retire when SGLang's Triton backend has split-KV verify on CUDA, handed the block's k and v as they are and
+writing them into the cache in that kernel, and a flash prefill path of its own.
 """
 
 import functools
