@@ -19,8 +19,8 @@
 #   DEADLINE=560          seconds of the call the steps may take together (default 560 of the device's 600): each
 #                          step's timeout is cut to what is left, so the results are packed and the Triton cache
 #                          goes back even when the steps ask for more (a call the device stops returns nothing)
-# Device tool: carry [".gpu"] (a copy of ../shared/device, the offline SGLang bundle, and the Triton cache an earlier
-# call returned); bash tests/run_gpu.sh. With ".gpu-router" (tests/fetch_router.sh) carried too, SGLang's router is
+# Device tool: carry [".gpu"] (a copy of ../shared/device, the offline SGLang bundle, and the Triton and JIT caches an
+# earlier call returned); bash tests/run_gpu.sh. With ".gpu-router" (tests/fetch_router.sh) carried too, SGLang's router is
 # installed beside the bundle (the replica tests and `--replicas` in the bench need it).
 set -uo pipefail
 # The device tool brings back at most 8 files: everything is staged, then packed into $OUT/run.tgz, with the
@@ -45,6 +45,11 @@ bash .gpu/install.sh /tmp/site >/dev/null && export PYTHONPATH=/tmp/site
 # A Triton cache from an earlier call (its $OUT/triton-cache.tar.xz, copied into .gpu/) spares each server start its
 # kernel compiles (45 s of 111 variants on a fresh machine, BENCHMARKS.md); this machine's goes back at the end.
 [ -f .gpu/triton-cache.tar.xz ] && mkdir -p ~/.triton && tar -xJf .gpu/triton-cache.tar.xz -C ~/.triton
+# The same for the nvcc-built JIT kernels of SGLang (TVM-FFI) and flashinfer, under ~/.cache, if the machine builds
+# any: the drafter's graphs took 22 s to capture on a fresh machine and 1.6 s on a warm one (BENCHMARKS.md,
+# 2026-12-05); the sizes printed at the end say what it built. This machine's go back too.
+JIT_CACHES="tvm-ffi flashinfer"
+[ -f .gpu/jit-cache.tar.xz ] && mkdir -p ~/.cache && tar -xJf .gpu/jit-cache.tar.xz -C ~/.cache
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 export QFLASH_CACHE=/tmp/qflash-cache PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -125,4 +130,10 @@ if [ -n "${SWITCH_AB:-}" ]; then
 fi
 pack
 [ -d ~/.triton/cache ] && tar -C ~/.triton -cf - cache | xz -6 -T0 > "$FINAL/triton-cache.tar.xz"
+jit=$(cd ~/.cache 2>/dev/null && for d in $JIT_CACHES; do [ -d "$d" ] && echo "$d"; done)
+if [ -n "$jit" ]; then
+  (cd ~/.cache && du -sh $jit)
+  # shellcheck disable=SC2086
+  tar -C ~/.cache -cf - $jit | xz -6 -T0 > "$FINAL/jit-cache.tar.xz"
+fi
 exit $status
