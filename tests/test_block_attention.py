@@ -65,21 +65,31 @@ def test_block_attention_matches_float64(monkeypatch, causal, window):
     assert (p["o_extend"].double().cpu() - ref).abs().max().item() < 0.03  # bf16 inputs, bf16 P as SGLang's kernel
 
 
-def test_the_block_is_stored_in_its_cache_slots():
+def block_slots(p, rows: int, seed: int = 1) -> torch.Tensor:
+    """`rows` cache slots of problem p's pool, in random order, that no prefix holds: where a block's KV goes."""
+    free = torch.ones(p["k_buffer"].shape[0], dtype=torch.bool)
+    free[p["kv_indices"].cpu()] = False
+    picked = torch.randperm(int(free.sum()), generator=torch.Generator().manual_seed(seed))[:rows]
+    return free.nonzero().flatten()[picked].to(p["kv_indices"].device)
+
+
+def with_block_stored(p, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """p's k and v buffers as the block's KV write leaves them: k and v_extend at `slots`, every other row as it was."""
+    k, v = p["k_buffer"].clone(), p["v_buffer"].clone()
+    k[slots], v[slots] = p["k_extend"], p["v_extend"]
+    return k, v
+
+
+def test_the_block_is_stored_in_its_cache_slots(monkeypatch):
     """Given the block's cache slots, the kernel also stores k and v_extend there, in place of SGLang's KV write:
     exactly those rows change, to the block's, for requests with and without a prefix; the output is the same."""
+    monkeypatch.setattr(ba, "CONFIGS", SMALL)
     p = problem([37, 0, 70])
-    free = torch.ones(256, dtype=torch.bool)
-    free[p["kv_indices"].cpu()] = False  # the block's slots are none of the prefix's
-    slots = free.nonzero().flatten()[torch.randperm(int(free.sum()), generator=torch.Generator().manual_seed(1))[:48]]
-    slots = slots.to(DEVICE)
-    expected_k, expected_v = p["k_buffer"].clone(), p["v_buffer"].clone()
-    expected_k[slots], expected_v[slots] = p["k_extend"], p["v_extend"]
+    slots = block_slots(p, 48)
+    expected_k, expected_v = with_block_stored(p, slots)
     p_store = dict(p, k_buffer=p["k_buffer"].clone(), v_buffer=p["v_buffer"].clone(), o_extend=p["o_extend"].clone())
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(ba, "CONFIGS", SMALL)
-        assert ba.block_attention(**p, is_causal=True, max_bs=4)
-        assert ba.block_attention(**p_store, is_causal=True, max_bs=4, out_cache_loc=slots)
+    assert ba.block_attention(**p, is_causal=True, max_bs=4)
+    assert ba.block_attention(**p_store, is_causal=True, max_bs=4, out_cache_loc=slots)
     assert torch.equal(p_store["k_buffer"], expected_k) and torch.equal(p_store["v_buffer"], expected_v)
     assert torch.equal(p_store["o_extend"], p["o_extend"])
 

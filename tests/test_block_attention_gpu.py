@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from qflash.kernels.block_attention import block_attention
-from test_block_attention import problem
+from test_block_attention import block_slots, problem, with_block_stored
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -45,13 +45,10 @@ def test_strided_k_and_v_give_the_bits_of_their_copies(heads, kv_heads, dim, cau
     assert block_attention(**strided, is_causal=causal, sliding_window_size=window, max_bs=8)
     assert torch.equal(ours["o_extend"], strided["o_extend"])
     # and with the block's KV stored by the kernel, in slots no prefix holds
-    free = torch.ones(3200, dtype=torch.bool, device=k.device)
-    free[ours["kv_indices"]] = False
-    slots = free.nonzero().flatten()[:rows]
+    slots = block_slots(ours, rows)
+    expected_k, expected_v = with_block_stored(strided, slots)
     stored = dict(strided, k_buffer=ours["k_buffer"].clone(), v_buffer=ours["v_buffer"].clone(),
                   o_extend=torch.zeros_like(ours["o_extend"]))
     assert block_attention(**stored, is_causal=causal, sliding_window_size=window, max_bs=8, out_cache_loc=slots)
     assert torch.equal(ours["o_extend"], stored["o_extend"])
-    expected_k, expected_v = ours["k_buffer"].clone(), ours["v_buffer"].clone()
-    expected_k[slots], expected_v[slots] = strided["k_extend"], strided["v_extend"]
     assert torch.equal(stored["k_buffer"], expected_k) and torch.equal(stored["v_buffer"], expected_v)
