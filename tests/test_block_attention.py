@@ -55,11 +55,18 @@ def reference(p, causal, window):
     return o
 
 
+# Two chunks of splits for the merge: a 300-key prefix fills both (10 splits of 32 keys), 37 and 70 keys only the first
+TWO_CHUNKS = {(64, 64): dict(NSPLIT=2 * ba.MERGE_CHUNK, BLOCK_N=16, num_warps=4, num_stages=2)}
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 @pytest.mark.parametrize("window", [0, 20], ids=["full", "window-20"])
-def test_block_attention_matches_float64(monkeypatch, causal, window):
-    monkeypatch.setattr(ba, "CONFIGS", SMALL)
-    p = problem([37, 0, 70])  # a prefix shorter than a split, an empty one, one over several splits
+@pytest.mark.parametrize("configs, prefixes", [(SMALL, [37, 0, 70]), (TWO_CHUNKS, [37, 0, 70, 300])],
+                         ids=["one-chunk", "two-chunks"])
+def test_block_attention_matches_float64(monkeypatch, causal, window, configs, prefixes):
+    """Prefixes shorter than a split, empty, over several splits; merged from one chunk of splits or from two."""
+    monkeypatch.setattr(ba, "CONFIGS", configs)
+    p = problem(prefixes, pool=512)
     assert ba.block_attention(**p, is_causal=causal, sliding_window_size=window or -1, max_bs=4)
     ref = reference(p, causal, window)
     assert (p["o_extend"].double().cpu() - ref).abs().max().item() < 0.03  # bf16 inputs, bf16 P as SGLang's kernel
