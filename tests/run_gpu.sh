@@ -102,6 +102,7 @@ if [ -n "${AB_TREE:-}" ]; then
     tail -n 8 "$RUN/ab-$side/results.md"
     cp "$RUN/ab-$side/run.json" "$OUT/ab-$side.json" 2>/dev/null
     for f in $RUN/ab-"$side"/profiles/*.md; do [ -e "$f" ] && cp "$f" "$OUT/ab-$side-$(basename "$f")"; done
+    tar czf "$OUT/ab-$side-logs.tgz" -C "$RUN/ab-$side" logs 2>/dev/null  # the servers' start-up (graph captures)
     pack  # each tree's results survive a call that the device's time limit stops during the next
   done
 fi
