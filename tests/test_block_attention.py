@@ -55,7 +55,7 @@ def reference(p, causal, window):
     return o
 
 
-# Two chunks of splits for the merge: a 300-key prefix fills both (10 splits of 32 keys), 37 and 70 keys only the first
+# Two chunks of splits for the merge: a 300-key prefix reaches both (10 splits of 32 keys), 37 and 70 keys only the first
 TWO_CHUNKS = {(64, 64): dict(NSPLIT=2 * ba.MERGE_CHUNK, BLOCK_N=16, num_warps=4, num_stages=2)}
 
 
