@@ -89,4 +89,4 @@ def conv_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     return out
 
 
-BLOCK_N, NUM_WARPS = 64, 4  # channels per program: 128 programs for one request's 8,192
+BLOCK_N, NUM_WARPS = 32, 8  # channels per program: 256 programs for one request's 8,192 (BENCHMARKS.md, 2026-12-05)
