@@ -400,12 +400,12 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
                      {"attn_ptr": "*bf16", "gate_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32"}, config)
     done.append(("sigmoid_mul_quant", config, None))
     q_heads, _, head_dim = shapes.ATTENTION_HEADS
-    config = dict(Q_HEADS=q_heads, Q_HEAD_STRIDE=2 * head_dim, HEAD_DIM=head_dim,
+    config = dict(Q_HEADS=q_heads, Q_HEAD_STRIDE=2 * head_dim, HEAD_DIM=head_dim, GATE=True,
                   ROTARY_DIM=int(head_dim * preset.TEXT_CONFIG["partial_rotary_factor"]),
                   BLOCK=head_dim, num_warps=qk_norm_rope.NUM_WARPS)  # the attention layers' prologue
     compile_for_sm90(qk_norm_rope._qk_norm_rope_kernel, {name: "*bf16" for name in (
-        "qg_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "gate_ptr", "q_w_ptr", "k_w_ptr")} | {
-        "cos_sin_ptr": "*fp32", "pos_ptr": "*i64", "eps": "fp32"}, config)
+        "q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "gate_ptr", "q_w_ptr", "k_w_ptr")} | {
+        "cos_sin_ptr": "*fp32", "pos_ptr": "*i64", "eps": "fp32", "weight_offset": "fp32"}, config)
     done.append(("qk_norm_rope", config, None))
     return done
 
