@@ -65,8 +65,8 @@ def _launch(q, k, q_out, k_out, gate, q_weight, k_weight, cos_sin_cache, positio
         _qk_norm_rope_kernel[(q.shape[0], q_heads + kv_heads)](
             q, k, q_out, k_out, q_out if gate is None else gate, q_weight, k_weight, cos_sin_cache, positions, eps,
             weight_offset, q.stride(0), k.stride(0), q_out.stride(0), k_out.stride(0), cos_sin_cache.stride(0),
-            Q_HEADS=q_heads, Q_HEAD_STRIDE=q_head_stride, HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, GATE=gate is not None,
-            BLOCK=triton.next_power_of_2(head_dim), num_warps=NUM_WARPS, **pdl.options(q.device))
+            Q_HEADS=q_heads, Q_HEAD_STRIDE=q_head_stride, HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim,
+            GATE=gate is not None, BLOCK=triton.next_power_of_2(head_dim), num_warps=NUM_WARPS, **pdl.options(q.device))
 
 
 def _rows(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor, head_dim: int,

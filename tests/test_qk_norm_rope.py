@@ -44,7 +44,7 @@ def rotate(x, cos_sin, positions):
 
 def reference(q_gate, k, q_w, k_w, cos_sin, positions, eps, q_heads, kv_heads, head_dim, rotary_dim):
     rows = q_gate.view(q_gate.shape[0], q_heads, 2 * head_dim)
-    heads = (head_norm(rows[..., :head_dim], q_w, eps, 1), head_norm(k.reshape(k.shape[0], kv_heads, head_dim), k_w, eps, 1))
+    heads = head_norm(rows[..., :head_dim], q_w, eps, 1), head_norm(k.view(k.shape[0], kv_heads, head_dim), k_w, eps, 1)
     return *(rotate(x, cos_sin[:, :rotary_dim], positions) for x in heads), rows[..., head_dim:]
 
 
@@ -99,7 +99,7 @@ def drafter_inputs(tokens, q_heads, kv_heads, head_dim, seed=0):
 
 
 def sglang_stand_ins(calls):
-    """apply_qk_norm (out of place, as SGLang's native path) and the rotary forward (in place), recording their calls."""
+    """apply_qk_norm (out of place, as SGLang's native path) and the rotary forward (in place), recording calls."""
     def apply_qk_norm(q, k, q_norm, k_norm, head_dim):
         calls.append("norm")
         return tuple(head_norm(x.view(x.shape[0], -1, head_dim), n.weight, n.variance_epsilon, 0).flatten(1).to(x.dtype)
@@ -113,8 +113,9 @@ def sglang_stand_ins(calls):
     return apply_qk_norm, rotary
 
 
-def test_the_drafters_norm_waits_for_its_rotary_and_both_run_in_one_launch():
+def test_the_drafters_norm_waits_for_its_rotary_and_both_run_in_one_launch(monkeypatch):
     qkv, q, k, (q_norm, k_norm), rope, positions = drafter_inputs(5, 4, 2, 32)
+    monkeypatch.setattr(attention_prologue, "_rotary", rope)  # a drafter layer with SGLang's CUDA rotary runs
     calls, before = [], qkv.clone()
     apply_qk_norm, rotary = sglang_stand_ins(calls)
     expected = rotary(rope, positions, *apply_qk_norm(q, k, q_norm, k_norm, 32))
@@ -128,8 +129,9 @@ def test_the_drafters_norm_waits_for_its_rotary_and_both_run_in_one_launch():
     assert torch.equal(qkv[:, 6 * 32:], before[:, 6 * 32:])  # v untouched
 
 
-def test_a_deferred_norm_no_rotary_takes_runs_as_sglangs():
+def test_a_deferred_norm_no_rotary_takes_runs_as_sglangs(monkeypatch):
     qkv, q, k, (q_norm, k_norm), rope, positions = drafter_inputs(3, 2, 1, 16)
+    monkeypatch.setattr(attention_prologue, "_rotary", rope)
     calls = []
     apply_qk_norm, rotary = sglang_stand_ins(calls)
     normed = [x.clone() for x in apply_qk_norm(q, k, q_norm, k_norm, 16)]
@@ -139,6 +141,18 @@ def test_a_deferred_norm_no_rotary_takes_runs_as_sglangs():
     attention_prologue._norm_and_rotary(rotary, rope, positions, *other)
     assert calls == ["norm", "rotary"] and attention_prologue._deferred is None
     assert torch.equal(q, normed[0]) and torch.equal(k, normed[1])
+
+
+def test_no_norm_is_deferred_outside_a_drafter_layer_with_sglangs_cuda_rotary(monkeypatch):
+    qkv, q, k, (q_norm, k_norm), rope, positions = drafter_inputs(3, 2, 1, 16)
+    calls = []
+    apply_qk_norm, rotary = sglang_stand_ins(calls)
+    monkeypatch.setattr(attention_prologue, "_rotary", None)
+    attention_prologue._defer_drafter_qk_norm(apply_qk_norm, q, k, q_norm, k_norm, 16)
+    assert calls == ["norm"] and attention_prologue._deferred is None
+    layer = SimpleNamespace(rotary_emb=rope)  # a stand-in rotary: not SGLang's class, so never deferred inside either
+    attention_prologue._drafter_layer(lambda self: calls.append(attention_prologue._rotary), layer)
+    assert calls == ["norm", None]
 
 
 @pytest.mark.gpu
