@@ -98,7 +98,8 @@ def _norm_and_rotary(original, self, positions, query, key, offsets=None, fused_
     deferred, cache = _deferred, self.cos_sin_cache
     if (deferred is None or self is not _rotary or deferred[0] is not query or deferred[1] is not key
             or offsets is not None or fused_set_kv_buffer_arg is not None or not self.is_neox_style
-            or self.head_size != deferred[4] or not qk_norm_rope.takes_in_place(query, key, cache, positions, self.head_size)):
+            or self.head_size != deferred[4]
+            or not qk_norm_rope.takes_in_place(query, key, cache, positions, self.head_size)):
         _run_deferred()
         return original(self, positions, query, key, offsets, fused_set_kv_buffer_arg)
     (_, _, q_norm, k_norm, head_dim, _), _deferred = deferred, None
