@@ -400,13 +400,17 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
                      {"attn_ptr": "*bf16", "gate_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32"}, config)
     done.append(("sigmoid_mul_quant", config, None))
     q_heads, _, head_dim = shapes.ATTENTION_HEADS
-    config = dict(Q_HEADS=q_heads, Q_HEAD_STRIDE=2 * head_dim, HEAD_DIM=head_dim, GATE=True,
-                  ROTARY_DIM=int(head_dim * preset.TEXT_CONFIG["partial_rotary_factor"]),
-                  BLOCK=head_dim, num_warps=qk_norm_rope.NUM_WARPS)  # the attention layers' prologue
-    compile_for_sm90(qk_norm_rope._qk_norm_rope_kernel, {name: "*bf16" for name in (
-        "q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "gate_ptr", "q_w_ptr", "k_w_ptr")} | {
-        "cos_sin_ptr": "*fp32", "pos_ptr": "*i64", "eps": "fp32", "weight_offset": "fp32"}, config)
-    done.append(("qk_norm_rope", config, None))
+    drafter_heads, drafter_dim = preset.DRAFTER_CONFIG["num_attention_heads"], preset.DRAFTER_CONFIG["head_dim"]
+    pointers = {name: "*bf16" for name in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "gate_ptr", "q_w_ptr",
+                                           "k_w_ptr")}
+    pointers |= {"cos_sin_ptr": "*fp32", "pos_ptr": "*i64", "eps": "fp32", "weight_offset": "fp32"}
+    for config in (  # the attention layers' prologue: the target's (gated, partial rotary), the drafter's (in place)
+            dict(Q_HEADS=q_heads, Q_HEAD_STRIDE=2 * head_dim, HEAD_DIM=head_dim, GATE=True, BLOCK=head_dim,
+                 ROTARY_DIM=int(head_dim * preset.TEXT_CONFIG["partial_rotary_factor"])),
+            dict(Q_HEADS=drafter_heads, Q_HEAD_STRIDE=drafter_dim, HEAD_DIM=drafter_dim, GATE=False,
+                 BLOCK=drafter_dim, ROTARY_DIM=drafter_dim)):
+        compile_for_sm90(qk_norm_rope._qk_norm_rope_kernel, pointers, {**config, "num_warps": qk_norm_rope.NUM_WARPS})
+        done.append(("qk_norm_rope", config, None))
     return done
 
 
