@@ -84,6 +84,15 @@ def test_qk_norm_rope_gives_sglangs_bits(tokens, cache_dtype):
         assert a.shape == b.view(a.shape).shape and torch.equal(a, b.view(a.shape)), name
 
 
+def test_the_target_hook_runs_qflashs_kernel_where_it_covers_the_call():
+    args = inputs(4, 2, 1, 32, 8)
+    calls = []
+    ours = attention_prologue._target_on_qflash(lambda *a: calls.append(a), *args)
+    assert calls == [] and all(torch.equal(a, b) for a, b in zip(ours, qk_norm_rope.qk_norm_rope(*args)))
+    attention_prologue._target_on_qflash(lambda *a: calls.append(a), *args, has_gate=False)
+    assert len(calls) == 1 and calls[0][-1] is False  # SGLang's kernel, with every argument
+
+
 def drafter_inputs(tokens, q_heads, kv_heads, head_dim, seed=0):
     """q and k as the drafter's column slices of its qkv output, plain norms as SGLang's RMSNorm holds them, a rotary
     stand-in with SGLang's fields."""

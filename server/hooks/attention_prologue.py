@@ -31,8 +31,8 @@ def _target_on_qflash(original, q_gate, k, q_weight, k_weight, cos_sin_cache, po
 
     args = (q_gate, k, q_weight, k_weight, cos_sin_cache, positions, eps, num_q_heads, num_kv_heads, head_dim,
             rotary_dim, has_gate)
-    if not qk_norm_rope.takes(q_gate, k, cos_sin_cache, positions, num_q_heads, num_kv_heads, head_dim, rotary_dim,
-                              has_gate):
+    if torch.compiler.is_compiling() or not qk_norm_rope.takes(q_gate, k, cos_sin_cache, positions, num_q_heads,
+                                                                num_kv_heads, head_dim, rotary_dim, has_gate):
         return original(*args)
     return qk_norm_rope.qk_norm_rope(*args)
 
