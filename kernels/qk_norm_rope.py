@@ -3,10 +3,11 @@ rotary_dim channels, after programmatic dependent launch like every qflash kerne
 
 SGLang runs this step on kernels launched without PDL: the target's gated attention on a Triton kernel
 (`fused_qk_gemma_rmsnorm_rope_gate`), the DFlash drafter's on a JIT q/k norm and then a rotary kernel. In a verify
-each waits for the kernel before it to drain and pays its own launch (3.6 us a layer on an H100, BENCHMARKS.md,
-2026-12-05). Here one program per (token, head) loads the head once, and the rotary partner of each channel
-(i + half below half, i - half above it, itself past rotary_dim) once more, normalises both, rounds them to the
-output dtype (as SGLang's kernels store the norm before rotating), and rotates in fp32. Two forms:
+each waits for the kernel before it to drain and pays its own launch (the target's: a 3.6 us gap a layer on an H100,
+BENCHMARKS.md, 2026-12-05; the drafter's not measured). Here one program per (token, head) loads the head once,
+and the rotary partner of each channel (i + half below half, i - half above it, itself past rotary_dim) once more,
+normalises both, rounds them to the output dtype (as SGLang's kernels store the norm before rotating), and rotates
+in fp32. Two forms:
 - `qk_norm_rope`, the target's: Gemma weights (1 + w), q interleaved with the gate head by head in q_gate, new
   q, k and gate tensors out (the gate copied: SGLang's layer views it as [T, hidden]);
 - `qk_norm_rope_`, the drafter's: plain weights, q and k rotated in place (column slices of the qkv output).

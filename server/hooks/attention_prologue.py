@@ -2,8 +2,8 @@
 programmatic dependent launch.
 
 SGLang 0.5.17 launches this step without PDL, between qflash kernels launched with it: in a verify each of its
-launches waits for the kernel before it to drain, then pays its own launch (3.6 us a layer on an H100,
-BENCHMARKS.md, 2026-12-05).
+launches waits for the kernel before it to drain, then pays its own launch (the target's: a 3.6 us gap a layer on an
+H100, BENCHMARKS.md, 2026-12-05; the drafter's not measured).
 - The target's gated attention calls `fused_qk_gemma_rmsnorm_rope_gate` (a Triton kernel): qflash's kernel computes
   the same q, k and gate. SGLang's Qwen3.5 imports and calls it on CUDA only.
 - The DFlash drafter's attention calls `apply_qk_norm` (a JIT kernel normalising q and k in place), then its rotary
@@ -22,7 +22,7 @@ import torch
 from qflash.server.hooks import Hook
 
 _rotary = None  # the rotary embedding of the drafter layer that runs now, where its forward is the hooked CUDA one
-_deferred: Optional[tuple] = None  # (q, k, q_norm, k_norm, head_dim, SGLang's apply_qk_norm): a drafter layer's
+_deferred: Optional[tuple] = None  # a drafter layer's norm until its rotary: (q, k, q_norm, k_norm, head_dim, SGLang's)
 
 
 def _target_on_qflash(original, q_gate, k, q_weight, k_weight, cos_sin_cache, positions, eps, num_q_heads,
