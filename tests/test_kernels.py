@@ -18,7 +18,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 from qflash.kernels import (block_attention, commit_steps, config_table, conv_update, gdn_verify, per_token_quant,
-                            qk_norm_rope, sigmoid_mul_quant, w8a16_argmax, w8a16_gemm, w8a8_gemm)
+                            sigmoid_mul_quant, w8a16_argmax, w8a16_gemm, w8a8_gemm)
 from qflash.server.tools import shapes
 from qflash.server import preset
 from conftest import REPO, run_python
@@ -399,18 +399,6 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
     compile_for_sm90(sigmoid_mul_quant._sigmoid_mul_quant_kernel,
                      {"attn_ptr": "*bf16", "gate_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32"}, config)
     done.append(("sigmoid_mul_quant", config, None))
-    q_heads, _, head_dim = shapes.ATTENTION_HEADS
-    drafter_heads, drafter_dim = preset.DRAFTER_CONFIG["num_attention_heads"], preset.DRAFTER_CONFIG["head_dim"]
-    pointers = {name: "*bf16" for name in ("q_ptr", "k_ptr", "q_out_ptr", "k_out_ptr", "gate_ptr", "q_w_ptr",
-                                           "k_w_ptr")}
-    pointers |= {"cos_sin_ptr": "*fp32", "pos_ptr": "*i64", "eps": "fp32", "weight_offset": "fp32"}
-    for config in (  # the attention layers' prologue: the target's (gated, partial rotary), the drafter's (in place)
-            dict(Q_HEADS=q_heads, Q_HEAD_STRIDE=2 * head_dim, HEAD_DIM=head_dim, GATE=True, BLOCK=head_dim,
-                 ROTARY_DIM=int(head_dim * preset.TEXT_CONFIG["partial_rotary_factor"])),
-            dict(Q_HEADS=drafter_heads, Q_HEAD_STRIDE=drafter_dim, HEAD_DIM=drafter_dim, GATE=False,
-                 BLOCK=drafter_dim, ROTARY_DIM=drafter_dim)):
-        compile_for_sm90(qk_norm_rope._qk_norm_rope_kernel, pointers, {**config, "num_warps": qk_norm_rope.NUM_WARPS})
-        done.append(("qk_norm_rope", config, None))
     return done
 
 
