@@ -86,8 +86,9 @@ def _gdn_verify_kernel(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, 
                    rawv, rawk, ring_g, ring_beta, stride_rawv_slot, stride_rawk_slot, stride_g_slot,
                    stride_beta_slot, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BV: tl.constexpr, BT: tl.constexpr, MAX_CACHE_LEN: tl.constexpr, PDL: tl.constexpr):
-    # Before the PDL wait: the state (the last commit's fold wrote it), the lengths and slots, and the gates, whose
-    # inputs a and b the layer's input GEMM wrote; the conv update that writes q, k, v runs between (pdl.load_settled).
+    # Before the PDL wait: the state (the last commit's fold wrote it), the lengths and slots. Not the gates' inputs a
+    # and b: the layer's input GEMM writes them, and it is the launch before this one where it runs the conv update
+    # in its epilogue (server/hooks/gdn_input_proj.py).
     i_v, i_n, i_hv, i_h, bos, eos = _program_sequence(cu_seqlens, H, HV)
     step = tl.arange(0, BT)
     live = step < eos - bos  # this sequence's steps, at most BT (the launcher's contract)
@@ -98,14 +99,15 @@ def _gdn_verify_kernel(A_log, a, dt_bias, softplus_beta, softplus_threshold, q, 
     tile = i_hv * K * V + o_v[None, :] * K + o_k[:, None]
     b_h = pdl.load_settled(h0_source + slot * stride_h0_source + tile, mask=(slot >= 0) & (tile >= 0),  # as the fold
                            other=0.0)
-    b_b = pdl.load_settled(b + (bos + step) * stride_b + i_hv, mask=live, other=0.0).to(tl.float32)
-    b_a = pdl.load_settled(a + (bos + step) * stride_a + i_hv, mask=live, other=0.0).to(tl.float32)
-    x = b_a + pdl.load_weights(dt_bias + i_hv).to(tl.float32)
+    dt_bias_h, a_log_h = pdl.load_weights(dt_bias + i_hv).to(tl.float32), pdl.load_weights(A_log + i_hv).to(tl.float32)
+    pdl.enter(PDL)
+    b_b = tl.load(b + (bos + step) * stride_b + i_hv, mask=live, other=0.0).to(tl.float32)
+    b_a = tl.load(a + (bos + step) * stride_a + i_hv, mask=live, other=0.0).to(tl.float32)
+    x = b_a + dt_bias_h
     beta_x = softplus_beta * x
     softplus_x = tl.where(beta_x <= softplus_threshold, (1.0 / softplus_beta) * tl.log(1.0 + tl.exp(beta_x)), x)
-    b_g = tl.where(live, -tl.exp(pdl.load_weights(A_log + i_hv).to(tl.float32)) * softplus_x, 0.0)
+    b_g = tl.where(live, -tl.exp(a_log_h) * softplus_x, 0.0)
     b_beta = tl.where(live, 1.0 / (1.0 + tl.exp(-b_b)), 0.0)
-    pdl.enter(PDL)
     row = (bos + step)[:, None]
     b_q = tl.load(q + row * stride_q + i_h * K + o_k[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     b_k = tl.load(k + row * stride_k + i_h * K + o_k[None, :], mask=live[:, None], other=0.0).to(tl.float32)

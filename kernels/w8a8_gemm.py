@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qflash.kernels import config_table, pdl
+from qflash.kernels import config_table, conv_update, pdl
 from qflash.kernels.per_token_quant import per_token_quant
 from qflash.kernels.tiles import grouped_tile, tile_offsets
 
@@ -47,9 +47,12 @@ def _y_offsets(offs_m, offs_n, M, N, cut1, cut2, cut3, SEGMENTED: tl.constexpr):
 @triton.jit
 def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, ws_ptr, count_ptr, M, N, K,
                       stride_xm, stride_wn, cut1, cut2, cut3,
+                      cw_ptr, cb_ptr, cs_ptr, slots_ptr, win_ptr, win_slots_ptr, stride_cwc, stride_cwj, stride_sb,
+                      stride_sc, stride_sj, stride_gb, stride_gt, stride_gc, stride_gj,
                       QUANT_X: tl.constexpr, HAS_BIAS: tl.constexpr, SEGMENTED: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
-                      EARLY_TILE: tl.constexpr, PDL: tl.constexpr):
+                      EARLY_TILE: tl.constexpr, CONV_T: tl.constexpr, CONV_WIDTH: tl.constexpr,
+                      CONV_BIAS: tl.constexpr, PDL: tl.constexpr):
     split = tl.program_id(0) % SPLIT_K
     pid = tl.program_id(0) // SPLIT_K
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -103,6 +106,11 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, w
         y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     y_ptrs = y_ptr + _y_offsets(offs_m, offs_n, M, N, cut1, cut2, cut3, SEGMENTED)
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_y)
+    if CONV_T:
+        if pid_n * BLOCK_N < cut1:  # a tile of the first segment (BLOCK_N divides cut1): the conv's input
+            conv_update.conv_in_place(y_ptr, offs_m, offs_n, M, cut1, cw_ptr, cb_ptr, cs_ptr, slots_ptr, win_ptr,
+                                      win_slots_ptr, stride_cwc, stride_cwj, stride_sb, stride_sc, stride_sj, stride_gb,
+                                      stride_gt, stride_gc, stride_gj, CONV_T, CONV_WIDTH, CONV_BIAS)
 
 
 _split_k_buffers: dict = {}
@@ -122,15 +130,18 @@ def split_k_buffers(device: torch.device, m: int, n: int, tiles: int) -> tuple[t
 
 def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
            config: dict, x_q: Optional[torch.Tensor] = None, x_scale: Optional[torch.Tensor] = None,
-           cuts: tuple = ()) -> torch.Tensor:
+           cuts: tuple = (), conv: Optional[conv_update.Epilogue] = None,
+           y: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Run the kernel with an explicit config (the tuner's entry); x [M, K] with unit stride in K. Given x's
     int8 rows and scales (x_q, x_scale, as its producer wrote them), the kernel reads those instead. With `cuts`
-    (up to three ascending column indices) y is flat [M * N], one [M, width] block per segment (`segments`)."""
+    (up to three ascending column indices) y is flat [M * N], one [M, width] block per segment (`segments`); with
+    `conv` (where `conv_fits`) the first segment then gets that conv update in place. `y`: the output, if allocated."""
     M, K = x.shape
     N = w.shape[0]
     cfg = {"SPLIT_K": 1, **config}
     quant_x = cfg.pop("QUANT_X") and x_q is None
-    y = torch.empty((M * N,) if cuts else (M, N), dtype=x.dtype, device=x.device)
+    if y is None:
+        y = torch.empty((M * N,) if cuts else (M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y
     if x_q is not None:
@@ -145,11 +156,21 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
     # Early first tiles pay in a grid of one wave (one program an SM at most); in a larger one the next grid's early
     # programs load while this grid's last wave still streams, and slow it (BENCHMARKS.md, 2026-12-04).
     cfg.setdefault("EARLY_TILE", programs <= pdl.multiprocessors(x.device))
+    if conv is not None and not conv_fits(cfg, M, cuts, conv.block):
+        raise ValueError(f"a conv epilogue needs whole blocks of {conv.block} rows a tile, no split-K: {cfg}")
+    conv_args, conv_constants = (conv.arguments(), conv.constants()) if conv is not None else conv_update.no_epilogue(y)
     _w8a8_gemm_kernel[(programs,)](
         x, w, x_scale, w_scale, w_scale if bias is None else bias, y, ws, counts, M, N, K, x.stride(0), w.stride(0),
-        *cuts, *(N,) * (3 - len(cuts)), QUANT_X=quant_x, HAS_BIAS=bias is not None, SEGMENTED=bool(cuts),
-        enable_fp_fusion=False, **pdl.options(x.device), **cfg)
+        *cuts, *(N,) * (3 - len(cuts)), *conv_args, QUANT_X=quant_x, HAS_BIAS=bias is not None, SEGMENTED=bool(cuts),
+        enable_fp_fusion=False, **conv_constants, **pdl.options(x.device), **cfg)
     return y
+
+
+def conv_fits(config: dict, m: int, cuts: tuple, block: int) -> bool:
+    """Whether a GEMM of m rows in `config` can run a conv update over blocks of `block` rows in its epilogue: each
+    tile holds whole blocks of whole rows of the first segment, and no split-K program holds a partial sum."""
+    return (bool(cuts) and config.get("SPLIT_K", 1) == 1 and m % block == 0 and config["BLOCK_M"] % block == 0
+            and cuts[0] % config["BLOCK_N"] == 0)
 
 
 def segments(y: torch.Tensor, rows: int, cuts: list[int], n: int) -> list[torch.Tensor]:
@@ -158,7 +179,7 @@ def segments(y: torch.Tensor, rows: int, cuts: list[int], n: int) -> list[torch.
     return [y[rows * a:rows * b].view(rows, b - a) for a, b in zip(bounds, bounds[1:])]
 
 
-def _table_config(phase: str, m: int, n: int, k: int) -> dict:
+def table_config(phase: str, m: int, n: int, k: int) -> dict:
     return config_table.lookup(CONFIGS, phase, m, n, k, DEFAULT_DECODE if m <= config_table.DECODE_MAX_M else DEFAULT_PREFILL)
 
 
@@ -173,7 +194,7 @@ def w8a8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Opt
         x2 = x2.contiguous()
     M, K = x2.shape
     N = w.shape[0]
-    return launch(x2, w, w_scale, bias, _table_config(phase, M, N, K), x_q, x_scale).reshape(*x.shape[:-1], N)
+    return launch(x2, w, w_scale, bias, table_config(phase, M, N, K), x_q, x_scale).reshape(*x.shape[:-1], N)
 
 
 @w8a8_gemm.register_fake
@@ -187,7 +208,7 @@ def w8a8_gemm_segments(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, 
     """w8a8_gemm of x [M, K] (unit stride in K), its output cut into column segments: flat [M * N], one [M, width]
     block per segment (`segments` views them)."""
     M, K = x.shape
-    return launch(x, w, w_scale, None, _table_config(phase, M, w.shape[0], K), x_q, x_scale, tuple(cuts))
+    return launch(x, w, w_scale, None, table_config(phase, M, w.shape[0], K), x_q, x_scale, tuple(cuts))
 
 
 @w8a8_gemm_segments.register_fake

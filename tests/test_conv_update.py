@@ -73,3 +73,64 @@ def test_block_conv_update_gives_sglangs_bits():
 @pytest.mark.parametrize("batch", [2, 4])
 def test_block_conv_update_gives_sglangs_bits_at_the_real_shape_gpu(batch):
     check(updates("cuda", 8192, batch))
+
+
+EPILOGUE = """
+import json, sys, torch
+from qflash.kernels import conv_update, w8a8_gemm
+from qflash.server.tools import shapes
+
+dev, batch = sys.argv[1], int(sys.argv[2])
+dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+T, WIDTH = 16, 4
+dim = 2 * shapes.GDN_KEY + shapes.GDN_VALUE
+n, k = next((n, k) for name, n, k in shapes.TARGET if name == "gdn.in_proj_qkvzba")
+if dev == "cpu":  # the interpreter: a few of the real layout's tiles
+    dim, n, k = 128, 200, 64
+cuts = (dim, dim + (n - dim - 64) // 2, n - 32)
+g = torch.Generator().manual_seed(0)
+x = torch.randn(batch * T, k, generator=g).to(dtype).to(dev)
+w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g).to(dev)
+w_scale = (torch.rand(n, generator=g) * 0.02 + 1e-3).to(dev)
+weight, bias = torch.randn(dim, WIDTH, generator=g).to(dtype).to(dev), torch.randn(dim, generator=g).to(dtype).to(dev)
+states = torch.randn(2 * batch + 1, dim, WIDTH - 1, generator=g).to(dtype).to(dev)
+slots = torch.arange(1, 2 * batch + 1, 2, dtype=torch.int32, device=dev)
+slots[-1] = -1  # the last request is padding
+window_slots = torch.arange(batch, dtype=torch.int32, device=dev).flip(0)
+config = w8a8_gemm.table_config("verify", batch * T, n, k)
+assert w8a8_gemm.conv_fits(config, batch * T, cuts, T), config
+
+def run(fused):
+    state, windows = states.clone(), torch.zeros(batch + 1, T, dim, WIDTH - 1, device=dev, dtype=dtype)
+    y = torch.empty(batch * T * n, device=dev, dtype=dtype)
+    qkv = w8a8_gemm.segments(y, batch * T, list(cuts), n)[0].view(batch, T, dim).transpose(1, 2)
+    kwargs = dict(conv_state_indices=slots, intermediate_conv_window=windows, intermediate_state_indices=window_slots)
+    if fused:
+        w8a8_gemm.launch(x, w, w_scale, None, config, cuts=cuts, y=y,
+                         conv=conv_update.epilogue(qkv, state, weight, bias, "silu", **kwargs))
+        return qkv[: batch - 1], y[batch * T * dim:], state, windows
+    w8a8_gemm.launch(x, w, w_scale, None, config, cuts=cuts, y=y)
+    return conv_update.conv_update(qkv, state, weight, bias, "silu", **kwargs)[: batch - 1], y[batch * T * dim:], state, windows
+
+got, expected = run(True), run(False)
+print(json.dumps({"equal": [torch.equal(a, b) for a, b in zip(got, expected)], "config": config}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("batch", [2, 5])
+def test_the_input_gemms_conv_epilogue_gives_the_kernels_bits_at_the_real_shape_gpu(batch):
+    """The GDN input GEMM with the conv update in its epilogue (the verify's, server/hooks/gdn_input_proj.py) against
+    the GEMM and then this kernel, with the table's config: q|k|v after the conv, z|b|a, states and windows."""
+    result = run_python(EPILOGUE, "cuda", str(batch), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(result.stdout.strip().splitlines()[-1])
+    assert got["equal"] == [True] * 4, got
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run: a GPU runs the real shape above")
+def test_the_input_gemms_conv_epilogue_gives_the_kernels_bits():
+    result = run_python(EPILOGUE, "cpu", "3", env={"TRITON_INTERPRET": "1"}, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1])["equal"] == [True] * 4

@@ -1,13 +1,18 @@
 """A Gated-DeltaNet layer's in_proj_qkvz and in_proj_ba as one GEMM (server/hooks/gdn_input_proj.py), against SGLang's
-two GEMMs and its split kernel (CPU: Triton's interpreter; small heads of the real layout)."""
+two GEMMs and its split kernel, and in a verify with the conv update in its epilogue, against the GEMM and then
+qflash's conv kernel (CPU: Triton's interpreter; small heads of the real layout)."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 from sglang.kernels.ops.attention.triton_gdn_fused_proj import fused_qkvzba_split_reshape_cat_contiguous
+from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_update
 
+from qflash.kernels import conv_update
 from qflash.quant import handoff
 from qflash.quant.method import W8A8LinearMethod
-from qflash.server.hooks import gdn_input_proj
+from qflash.server.hooks import gdn_input_proj, gdn_verify
 from test_kernels import DEVICE, int8_weight
 
 K_HEADS, V_HEADS, HEAD, HIDDEN = 2, 4, 8, 64  # Qwen3.5-4B: 16, 32, 128, 2560
@@ -114,3 +119,85 @@ def test_layers_the_merge_does_not_cover_keep_sglangs_path(case):
         x = rows(4, 8)
         assert gdn_input_proj._one_gemm(lambda self, h: ("sglang", h), layer.linear_attn, x) == ("sglang", x)
         assert gdn_input_proj._split(lambda *args: "sglang", "qkvz", "ba", K_HEADS, V_HEADS, HEAD, HEAD) == "sglang"
+
+
+T = 16  # DFLASH's block: a verify's tokens a request
+CONV_DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # the interpreter computes bf16 arithmetic wrongly
+
+
+class _ForwardBatch:
+    """What `_verify_window` reads of SGLang's ForwardBatch."""
+
+    def __init__(self, verify: bool):
+        self.forward_mode = SimpleNamespace(is_target_verify=lambda: verify)
+        self.spec_info = SimpleNamespace(draft_token_num=T)
+
+
+def conv_inputs(batch: int, seed: int):
+    """A verify's conv update arguments after x: states, weights, bias, and the slots and windows (the last of several
+    requests is padding)."""
+    g = torch.Generator().manual_seed(seed)
+    dim = 2 * KEY + VALUE
+    states = torch.randn(2 * batch + 2, dim, 3, generator=g).to(CONV_DTYPE).to(DEVICE)
+    weight, bias = (torch.randn(*shape, generator=g).to(CONV_DTYPE).to(DEVICE) for shape in ((dim, 4), (dim,)))
+    slots = torch.arange(1, 2 * batch + 1, 2, dtype=torch.int32, device=DEVICE)
+    slots[-1] = -1 if batch > 1 else slots[-1]
+    windows = torch.zeros(batch + 1, T, dim, 3, dtype=CONV_DTYPE, device=DEVICE)
+    kwargs = dict(conv_state_indices=slots, intermediate_conv_window=windows,
+                  intermediate_state_indices=torch.arange(batch, dtype=torch.int32, device=DEVICE).flip(0))
+    return (states, weight, bias, "silu"), kwargs
+
+
+def sglang_order(conv_call, calls_conv=True):
+    """Qwen3_5GatedDeltaNet.forward in a verify, as far as the conv: the input projections, the split, then the conv
+    update of q|k|v (gdn_backend's target verify, the first reader of the projections)."""
+    def forward(self, hidden_states, forward_batch):
+        qkv, z, b, a = merged_path(self, hidden_states)
+        if calls_conv:
+            qkv = conv_call(qkv.view(-1, T, qkv.shape[1]).transpose(1, 2)).transpose(1, 2).reshape(qkv.shape)
+        return [t.clone() for t in (qkv, z, b, a)]
+    return forward
+
+
+def verify_layer(batch, seed, verify, conv=gdn_verify._conv_update_on_qflash, original=causal_conv1d_update):
+    """(q|k|v after the conv, z, b, a, conv states, windows) of one merged layer's verify."""
+    layer = gdn_layer()
+    gdn_input_proj.merge([layer])
+    gdn = layer.linear_attn
+    load(gdn, seed)
+    args, kwargs = conv_inputs(batch, seed + 1)
+    out = gdn_input_proj._verify_window(sglang_order(lambda x: conv(original, x, *args, **kwargs)), gdn,
+                                        rows(batch * T, seed + 2).to(CONV_DTYPE), _ForwardBatch(verify))
+    return [*out, args[0], kwargs["intermediate_conv_window"]]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_verify_runs_the_conv_in_the_input_gemms_epilogue(batch, monkeypatch):
+    """Outputs, conv states and windows as the GEMM and then qflash's conv kernel give them (a request's rows that
+    the conv reads from a neighbour's or from the wrong state would differ)."""
+    expected = verify_layer(batch, 9, verify=False)
+    monkeypatch.setattr(conv_update, "conv_update", None)  # the separate launch must not run
+    got = verify_layer(batch, 9, verify=True)
+    live = slice(0, max(batch - 1, 1) * T)  # the padding request's rows are the raw GEMM's, the kernel's are unwritten
+    assert torch.equal(got[0][live], expected[0][live])
+    assert all(torch.equal(a, b) for a, b in zip(got[1:], expected[1:]))
+    assert not torch.equal(got[4], conv_inputs(batch, 10)[0][0])  # the states moved
+
+
+def test_a_conv_call_qflash_does_not_take_gets_the_gemms_output_first():
+    seen = []
+    expected = verify_layer(2, 11, verify=False, conv=lambda original, x, *a, **k: x)
+    got = verify_layer(2, 11, verify=True, original=lambda x, *a, **k: seen.append(x.clone()) or x,
+                       conv=lambda original, x, *a, **k: gdn_verify._conv_update_on_qflash(
+                           original, x, *a, **k, retrieve_next_token=torch.zeros(1)))
+    assert torch.equal(seen[0].transpose(1, 2).reshape(2 * T, -1), expected[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[:4], expected[:4]))
+
+
+def test_a_verify_layer_whose_conv_call_never_comes_stops():
+    layer = gdn_layer()
+    gdn_input_proj.merge([layer])
+    load(layer.linear_attn, 12)
+    with pytest.raises(RuntimeError, match="never came"):
+        gdn_input_proj._verify_window(sglang_order(None, calls_conv=False), layer.linear_attn, rows(T, 13),
+                                      _ForwardBatch(True))

@@ -216,3 +216,57 @@ def test_flas_chunked_prefill_of_row_views_is_that_of_copies_gpu():
     views = _verify_reads_conv_rows(sglang_split, rows, *heads)
     assert not views[0].is_contiguous()
     assert all(map(torch.equal, prefill(*views), prefill(*sglang_split(rows, *heads))))
+
+
+CHAIN = """
+import json, torch
+from qflash.kernels import conv_update, gdn_verify, w8a8_gemm
+from qflash.server.tools import shapes
+
+# one request's verify as served: the GDN input GEMM (the conv update in its epilogue) writes q|k|v, z, b and a, and
+# the verify launches right after it (PDL), its gates read from the GEMM's b and a
+H, HV, K = shapes.GDN_HEADS
+V, T, WIDTH, batch = shapes.GDN_VALUE // HV, 16, 4, 2
+dim = 2 * shapes.GDN_KEY + shapes.GDN_VALUE
+n, k = next((n, k) for name, n, k in shapes.TARGET if name == "gdn.in_proj_qkvzba")
+cuts = (dim, dim + shapes.GDN_VALUE, dim + shapes.GDN_VALUE + HV)
+g = torch.Generator().manual_seed(0)
+rand = lambda *shape, dt=torch.bfloat16: torch.randn(*shape, generator=g).to(dt).cuda()
+x, w = rand(batch * T, k), torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g).cuda()
+w_scale, conv_w, A_log, dt_bias = rand(n, dt=torch.float32) * 0.01, rand(dim, WIDTH), rand(HV, dt=torch.float32), rand(HV, dt=torch.float32)
+states, h = rand(4, dim, WIDTH - 1), rand(4, HV, V, K, dt=torch.float32) * 0.1
+slots = torch.tensor([1, 3], dtype=torch.int32, device="cuda")
+cu = torch.arange(0, batch * T + 1, T, dtype=torch.int32, device="cuda")
+config = w8a8_gemm.table_config("verify", batch * T, n, k)
+
+def layer(settle):
+    y = torch.empty(batch * T * n, dtype=torch.bfloat16, device="cuda")
+    qkv, z, b, a = w8a8_gemm.segments(y, batch * T, list(cuts), n)
+    windows = torch.zeros(4, T, dim, WIDTH - 1, dtype=torch.bfloat16, device="cuda")
+    conv = conv_update.epilogue(qkv.view(batch, T, dim).transpose(1, 2), states.clone(), conv_w, None, "silu",
+                                conv_state_indices=slots, intermediate_conv_window=windows, intermediate_state_indices=slots)
+    w8a8_gemm.launch(x, w, w_scale, None, config, cuts=cuts, conv=conv, y=y)
+    if settle:
+        torch.cuda.synchronize()
+    q, kk, v = (rows.unflatten(-1, (heads, -1))[None] for rows, heads in
+                zip(qkv.split([shapes.GDN_KEY, shapes.GDN_KEY, shapes.GDN_VALUE], -1), (H, H, HV)))
+    rings = [torch.zeros(4, HV, T, V, dtype=torch.bfloat16, device="cuda"), torch.zeros(4, H, T, K, dtype=torch.bfloat16, device="cuda"),
+             torch.zeros(4, HV, T, device="cuda"), torch.zeros(4, HV, T, device="cuda")]
+    return gdn_verify.verify(A_log, a, dt_bias, 1.0, 20.0, q, kk, v, b, h, slots, cu, *rings)
+
+settled = layer(True)
+chained = [layer(False) for _ in range(20)]
+print(json.dumps({"equal": [torch.equal(o, settled) for o in chained], "finite": bool(settled.isfinite().all())}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_verify_reads_the_input_gemms_gates_after_its_wait_gpu():
+    """The verify launched right after the GDN input GEMM that runs the conv (server/hooks/gdn_input_proj.py) gives
+    what it gives with the GEMM complete: its gates' inputs a and b are that GEMM's outputs, so it may not read them
+    before its PDL wait (a read before it, as when the conv ran between, took the gates of unwritten rows)."""
+    result = run_python(CHAIN, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(result.stdout.strip().splitlines()[-1])
+    assert got["finite"] and all(got["equal"]), got

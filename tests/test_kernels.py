@@ -344,8 +344,21 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
         for early, segmented in ((False, False), (True, False), (False, True)):
             kernel = compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, pointers,
                                       {"SPLIT_K": 1, **config, "HAS_BIAS": False, "EARLY_TILE": early,
-                                       "SEGMENTED": segmented}, gemm_ints + ("cut1", "cut2", "cut3"))
+                                       "SEGMENTED": segmented, **conv_update.no_epilogue(None)[1]},
+                                      gemm_ints + ("cut1", "cut2", "cut3"))
         done.append(("w8a8_gemm", config, "wgmma" in kernel.asm["ptx"]))
+    # the GDN input projection's verify configs with the conv update in the epilogue (server/hooks/gdn_input_proj.py)
+    in_proj = next(n for name, n, _ in shapes.TARGET if name == "gdn.in_proj_qkvzba")
+    conv_dim, width = 2 * shapes.GDN_KEY + shapes.GDN_VALUE, preset.TEXT_CONFIG["linear_conv_kernel_dim"]
+    conv_pointers = {"cw_ptr": "*bf16", "cb_ptr": "*bf16", "cs_ptr": "*bf16", "slots_ptr": "*i32", "win_ptr": "*bf16",
+                     "win_slots_ptr": "*i32"}
+    for (phase, m, n, _), config in w8a8_gemm.CONFIGS.items():
+        if phase == "verify" and n == in_proj and w8a8_gemm.conv_fits(config, m, (conv_dim,), preset.BLOCK_SIZE):
+            compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, {"x_ptr": "*i8", **scales, **conv_pointers},
+                             {**config, "HAS_BIAS": False, "EARLY_TILE": False, "SEGMENTED": True, "CONV_T":
+                              preset.BLOCK_SIZE, "CONV_WIDTH": width, "CONV_BIAS": False},
+                             gemm_ints + ("cut1", "cut2", "cut3"))
+            done.append(("w8a8_gemm + conv", config, None))
     for k in sorted({k for _, _, k in shapes.TARGET + shapes.DRAFTER}):  # the quantization's rows, in registers
         config = per_token_quant.launch_config(k)
         compile_for_sm90(per_token_quant._per_token_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32"},

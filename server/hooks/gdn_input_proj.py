@@ -7,13 +7,21 @@ block (kernels/w8a8_gemm.py's output cuts) does the same in less time at decode 
 twenty-ninth session). `merge`, called by qflash's model class as it is built, puts both layers'
 int8 rows and scales into one weight and one scale vector that their parameters then view, so SGLang's loader
 fills them in place; the hooks run the one GEMM in `_forward_input_proj` and hand its four blocks through SGLang's
-split call. Retire when SGLang fuses in_proj_qkvz and in_proj_ba into one linear layer whose output it splits
-without a copy.
+split call.
+
+In a target verify, the GEMM also runs the layer's causal-conv1d update of q|k|v in its epilogue: each tile holds a
+request's whole 16-token block, so the conv needs no other tile (kernels/conv_update.py `conv_in_place`), and one
+launch a layer goes (24 a cycle). The GEMM waits for the conv call: `_one_gemm` hands out the views of an output
+not yet written and the conv call runs the GEMM (`conv_in_gemm`). In SGLang's verify the conv is the first reader of
+the GEMM's outputs (gdn_backend `forward_extend`); a conv call qflash's kernel does not take runs the GEMM as it is
+first, and a layer that ends with the GEMM not run refuses to go on.
+Retire when SGLang fuses in_proj_qkvz and in_proj_ba into one linear layer whose output it splits without a copy, and
+runs the conv update in that layer's epilogue.
 """
 
 import torch
 
-from qflash.kernels import w8a8_gemm
+from qflash.kernels import conv_update, w8a8_gemm
 from qflash.kernels.config_table import gemm_phase
 from qflash.quant import handoff
 from qflash.quant.method import runs_w8a8
@@ -61,6 +69,40 @@ def _still_viewed(gdn: torch.nn.Module, weight: torch.Tensor, scale: torch.Tenso
             and gdn.in_proj_ba.weight_scale.data_ptr() == scale[rows:].data_ptr())
 
 
+class _Verify:
+    """The GDN layer whose target-verify forward runs, its block length, and the input GEMM waiting for its conv."""
+
+    layer = None
+    block = 0
+    gemm = None  # (run(conv or None), the output)
+
+
+def _verify_window(original, self, hidden_states, forward_batch, *args, **kwargs):
+    if not (forward_batch.forward_mode.is_target_verify() and getattr(self, MERGED, None) is not None):
+        return original(self, hidden_states, forward_batch, *args, **kwargs)
+    _Verify.layer, _Verify.block = self, forward_batch.spec_info.draft_token_num
+    try:
+        out = original(self, hidden_states, forward_batch, *args, **kwargs)
+    finally:
+        _Verify.layer, waiting, _Verify.gemm = None, _Verify.gemm, None
+    if waiting is not None:
+        raise RuntimeError(f"qflash: GDN layer {self.layer_id}'s input GEMM waited for a conv call that never came")
+    return out
+
+
+def conv_in_gemm(takes: bool, x: torch.Tensor, *args, **kwargs) -> bool:
+    """Before a conv call on x: runs the input GEMM waiting for it, if any, with the call's conv update in its epilogue
+    where qflash's kernel `takes` the call and x is the GEMM's q|k|v (returns True: x then holds the conv's output),
+    else as it is."""
+    waiting, _Verify.gemm = _Verify.gemm, None
+    if waiting is None:
+        return False
+    run, y = waiting
+    fused = takes and x.data_ptr() == y.data_ptr()
+    run(conv_update.epilogue(x, *args, **kwargs) if fused else None)
+    return fused
+
+
 def _one_gemm(original, self, hidden_states):
     merged = getattr(self, MERGED, None)
     if merged is None or not isinstance(hidden_states, torch.Tensor):
@@ -71,7 +113,13 @@ def _one_gemm(original, self, hidden_states):
     x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
     x_q, x_scale = handoff.take(x)
     phase = gemm_phase(self.in_proj_qkvz.quant_method.decode_phase, x.shape[0])
-    y = torch.ops.qflash.w8a8_gemm_segments(x, weight, scale, cuts, phase, x_q, x_scale)
+    config = w8a8_gemm.table_config(phase, x.shape[0], weight.shape[0], x.shape[1])
+    if (_Verify.layer is self and not torch.compiler.is_compiling()
+            and w8a8_gemm.conv_fits(config, x.shape[0], cuts, _Verify.block)):
+        y = x.new_empty((x.shape[0] * weight.shape[0],))
+        _Verify.gemm = (lambda conv: w8a8_gemm.launch(x, weight, scale, None, config, x_q, x_scale, cuts, conv, y)), y
+    else:
+        y = torch.ops.qflash.w8a8_gemm_segments(x, weight, scale, cuts, phase, x_q, x_scale)
     return w8a8_gemm.segments(y, x.shape[0], cuts, weight.shape[0]), None  # read by `_split`, in place of SGLang's two outputs
 
 
@@ -83,6 +131,7 @@ def _split(original, mixed_qkvz, mixed_ba, num_heads_qk, num_heads_v, head_qk, h
 
 
 CHANGES = [
+    Hook("sglang.srt.models.qwen3_5.Qwen3_5GatedDeltaNet.forward", _verify_window, "AROUND"),
     Hook("sglang.srt.models.qwen3_5.Qwen3_5GatedDeltaNet._forward_input_proj", _one_gemm, "AROUND"),
     Hook("sglang.srt.models.qwen3_5.fused_qkvzba_split_reshape_cat_contiguous", _split, "AROUND"),
 ]

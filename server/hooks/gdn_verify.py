@@ -16,7 +16,8 @@ EAGLE and NGRAM only; what qflash changes for DFLASH:
   reach SGLang's kernel, whose rings are the same), the fold as a whole;
 - the causal-conv1d update before the verify: SGLang's kernel steps through the block's tokens one after another;
   qflash's (kernels/conv_update.py) computes the block at once, to the same bits, for the verify's calls
-  (chained blocks saving per-step windows); any other call keeps SGLang's;
+  (chained blocks saving per-step windows), in the epilogue of the input GEMM where that waits for the call
+  (gdn_input_proj); any other call keeps SGLang's;
 - the q | k | v split after the conv: SGLang copies each of the three out of the conv output's rows (one kernel a
   layer) for FLA's chunked prefill, which wants them contiguous; qflash's verify and short prefill read rows through a
   token stride, so where the conv output's rows are contiguous whole 16-token blocks (the verify's, the fresh-prompt
@@ -26,7 +27,7 @@ Retire when SGLang runs ReplaySSM under DFLASH with a block-solved verify, per-b
 block-at-once conv update and a split its verify kernels need not copy.
 """
 
-from qflash.server.hooks import Hook
+from qflash.server.hooks import Hook, gdn_input_proj
 
 
 def _fold_gdn_window_on_commit(original, self, **kwargs):
@@ -88,7 +89,10 @@ def _fold_on_qflash_tiles(*args, **kwargs):
 def _conv_update_on_qflash(original, *args, **kwargs):
     from qflash.kernels import conv_update
 
-    return (conv_update.conv_update if conv_update.takes(*args, **kwargs) else original)(*args, **kwargs)
+    takes = conv_update.takes(*args, **kwargs)
+    if gdn_input_proj.conv_in_gemm(takes, *args, **kwargs):  # the conv ran in the epilogue of x's GEMM
+        return args[0]
+    return (conv_update.conv_update if takes else original)(*args, **kwargs)
 
 
 def _verify_reads_conv_rows(original, mixed_qkv, num_q_heads, num_k_heads, num_v_heads, head_q, head_k, head_v):
