@@ -82,12 +82,12 @@ from qflash.server.tools import shapes
 
 dev, batch = sys.argv[1], int(sys.argv[2])
 dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-T, WIDTH = 16, 4
-dim = 2 * shapes.GDN_KEY + shapes.GDN_VALUE
+T, WIDTH = 16, shapes.GDN_CONV_WIDTH
 n, k = next((n, k) for name, n, k in shapes.TARGET if name == "gdn.in_proj_qkvzba")
+cuts = shapes.GDN_IN_PROJ_CUTS
 if dev == "cpu":  # the interpreter: a few of the real layout's tiles
-    dim, n, k = 128, 200, 64
-cuts = (dim, dim + (n - dim - 64) // 2, n - 32)
+    n, k, cuts = 200, 64, (128, 160, 168)
+dim = cuts[0]
 g = torch.Generator().manual_seed(0)
 x = torch.randn(batch * T, k, generator=g).to(dtype).to(dev)
 w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g).to(dev)

@@ -226,10 +226,9 @@ from qflash.server.tools import shapes
 # one request's verify as served: the GDN input GEMM (the conv update in its epilogue) writes q|k|v, z, b and a, and
 # the verify launches right after it (PDL), its gates read from the GEMM's b and a
 H, HV, K = shapes.GDN_HEADS
-V, T, WIDTH, batch = shapes.GDN_VALUE // HV, 16, 4, 2
-dim = 2 * shapes.GDN_KEY + shapes.GDN_VALUE
+V, T, WIDTH, batch = shapes.GDN_VALUE // HV, 16, shapes.GDN_CONV_WIDTH, 2
 n, k = next((n, k) for name, n, k in shapes.TARGET if name == "gdn.in_proj_qkvzba")
-cuts = (dim, dim + shapes.GDN_VALUE, dim + shapes.GDN_VALUE + HV)
+cuts, dim = shapes.GDN_IN_PROJ_CUTS, shapes.GDN_CONV
 g = torch.Generator().manual_seed(0)
 rand = lambda *shape, dt=torch.bfloat16: torch.randn(*shape, generator=g).to(dt).cuda()
 x, w = rand(batch * T, k), torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g).cuda()

@@ -231,6 +231,18 @@ def test_the_tuner_times_decode_gemms_in_a_chain_over_weights_that_outgrow_l2(mo
     assert [(how, len(weights)) for how, weights in timed] == [("chain", timing.chain_calls(2560 * 9216)), ("cold", 1)]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_tuner_runs_the_gdn_input_verify_with_and_without_the_conv_epilogue_gpu():
+    from qflash.server.tools import tune
+
+    n, k = next((n, k) for name, n, k in shapes.TARGET if name == "gdn.in_proj_qkvzba")
+    x, (w, w_scale) = torch.randn(32, k, device="cuda", dtype=torch.bfloat16), tune.int8_weight(n, k)
+    for split_k in (1, 2):  # the conv in the epilogue; split-K: the GEMM, then the conv kernel
+        tune.gdn_input_verify(32)(x, w, w_scale, None, dict(w8a8_gemm.DEFAULT_DECODE, QUANT_X=False, SPLIT_K=split_k))
+    torch.cuda.synchronize()
+
+
 def test_tuning_some_row_buckets_keeps_the_tables_other_entries(monkeypatch):
     from qflash.server.tools import tune
 
@@ -238,13 +250,20 @@ def test_tuning_some_row_buckets_keeps_the_tables_other_entries(monkeypatch):
     monkeypatch.setattr(tune, "require_gpu", lambda: None)
     monkeypatch.setattr(tune.torch.cuda, "get_device_name", lambda: "NVIDIA H200")
     monkeypatch.setattr(tune.torch.cuda, "get_device_capability", lambda: (9, 0))
-    monkeypatch.setattr(tune, "w8a8_timer", lambda m, n, k: (m, n, k))
+    monkeypatch.setattr(tune, "w8a8_timer", lambda m, n, k, gemm: (m, n, k, gemm))
+    monkeypatch.setattr(tune, "gdn_input_verify", lambda m: f"the GDN input GEMM of {m} rows, its conv in a verify")
     monkeypatch.setattr(tune, "int8_weight", lambda n, k: (None, None))
     monkeypatch.setattr(tune.torch, "randn", lambda *shape, **kw: None)
     monkeypatch.setattr(tune, "best_config", lambda timer, candidates: (jobs.append(timer) or {"new": True}, 1.0))
     monkeypatch.setattr(tune, "write", lambda path, table, machine: written.update({Path(path).stem: table}))
     assert tune.run(argparse.Namespace(rows=[16]), []) == 0
     assert {timer[0] for timer in jobs if isinstance(timer, tuple)} == {16}  # (M, N, K) of the W8A8 shapes timed
+    in_proj = next(n for name, n, _ in shapes.TARGET if name == "gdn.in_proj_qkvzba")
+    # the GDN input GEMM's verify timed as served, with the conv; every other GEMM alone
+    gemms = [timer[3] for timer in jobs if isinstance(timer, tuple)]
+    assert [timer[3] for timer in jobs if isinstance(timer, tuple) and timer[1] == in_proj] == [
+        "the GDN input GEMM of 16 rows, its conv in a verify"]
+    assert gemms.count(w8a8_gemm.launch) == len(gemms) - 1
     for module in (w8a8_gemm, w8a16_gemm, w8a16_argmax):
         table = written[Path(module.__file__).stem]
         assert table.keys() >= module.CONFIGS.keys()
@@ -349,14 +368,14 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
         done.append(("w8a8_gemm", config, "wgmma" in kernel.asm["ptx"]))
     # the GDN input projection's verify configs with the conv update in the epilogue (server/hooks/gdn_input_proj.py)
     in_proj = next(n for name, n, _ in shapes.TARGET if name == "gdn.in_proj_qkvzba")
-    conv_dim, width = 2 * shapes.GDN_KEY + shapes.GDN_VALUE, preset.TEXT_CONFIG["linear_conv_kernel_dim"]
     conv_pointers = {"cw_ptr": "*bf16", "cb_ptr": "*bf16", "cs_ptr": "*bf16", "slots_ptr": "*i32", "win_ptr": "*bf16",
                      "win_slots_ptr": "*i32"}
     for (phase, m, n, _), config in w8a8_gemm.CONFIGS.items():
-        if phase == "verify" and n == in_proj and w8a8_gemm.conv_fits(config, m, (conv_dim,), preset.BLOCK_SIZE):
+        if phase == "verify" and n == in_proj and w8a8_gemm.conv_fits(config, m, shapes.GDN_IN_PROJ_CUTS,
+                                                                      preset.BLOCK_SIZE):
             compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, {"x_ptr": "*i8", **scales, **conv_pointers},
                              {**config, "HAS_BIAS": False, "EARLY_TILE": False, "SEGMENTED": True, "CONV_T":
-                              preset.BLOCK_SIZE, "CONV_WIDTH": width, "CONV_BIAS": False},
+                              preset.BLOCK_SIZE, "CONV_WIDTH": shapes.GDN_CONV_WIDTH, "CONV_BIAS": False},
                              gemm_ints + ("cut1", "cut2", "cut3"))
             done.append(("w8a8_gemm + conv", config, None))
     for k in sorted({k for _, _, k in shapes.TARGET + shapes.DRAFTER}):  # the quantization's rows, in registers

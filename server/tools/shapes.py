@@ -14,6 +14,11 @@ HIDDEN = _t["hidden_size"]
 GDN_HEADS = (_t["linear_num_key_heads"], _t["linear_num_value_heads"], _t["linear_key_head_dim"])
 GDN_KEY = _t["linear_num_key_heads"] * _t["linear_key_head_dim"]
 GDN_VALUE = _t["linear_num_value_heads"] * _t["linear_value_head_dim"]
+# The GDN input GEMM's output segments (server/hooks/gdn_input_proj.py's cuts): q|k|v, the causal conv's channels,
+# then z, b and a; and the conv's width.
+GDN_CONV = 2 * GDN_KEY + GDN_VALUE
+GDN_IN_PROJ_CUTS = (GDN_CONV, GDN_CONV + GDN_VALUE, GDN_CONV + GDN_VALUE + _t["linear_num_value_heads"])
+GDN_CONV_WIDTH = _t["linear_conv_kernel_dim"]
 ATTENTION_HEADS = (_t["num_attention_heads"], _t["num_key_value_heads"], _t["head_dim"])  # query, KV heads, dim
 _q, _kv, _hd = ATTENTION_HEADS
 

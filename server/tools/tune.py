@@ -2,8 +2,9 @@
 
 Offline only: run once on the target GPU (sm90 for the H200) and commit the rewritten kernel files;
 serving reads the tables and never tunes. Each candidate is timed on random data with no host overhead: a decode
-W8A8 GEMM in a chain of calls over their own weight copies, as a cycle's layers run it (`timing.chain_us`), the
-others with an L2 flush before each run (`timing.cold_us`); configs that do not fit the chip are skipped.
+W8A8 GEMM in a chain of calls over their own weight copies, as a cycle's layers run it (`timing.chain_us`; a GDN
+layer's input GEMM in a verify with its conv update, as served), the others with an L2 flush before each run
+(`timing.cold_us`); configs that do not fit the chip are skipped.
 """
 
 import functools
@@ -13,10 +14,11 @@ from pathlib import Path
 
 import torch
 
-from qflash.kernels import w8a16_argmax, w8a16_gemm, w8a8_gemm
+from qflash.kernels import conv_update, w8a16_argmax, w8a16_gemm, w8a8_gemm
 from qflash.kernels.config_table import DECODE_M, DECODE_MAX_M, PHASES, PREFILL_M
 from qflash.server.launcher import require_gpu
-from qflash.server.tools.shapes import DRAFTER, LM_HEAD, TARGET
+from qflash.server.preset import BLOCK_SIZE
+from qflash.server.tools.shapes import DRAFTER, GDN_CONV, GDN_CONV_WIDTH, GDN_IN_PROJ_CUTS, LM_HEAD, TARGET
 from qflash.server.tools.timing import chain_calls, chain_us, cold_us
 
 
@@ -59,14 +61,38 @@ def int8_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.rand(n, device="cuda") / (127 * k ** 0.5) + 1e-6)
 
 
-def w8a8_timer(m: int, n: int, k: int):
-    """`time_us(config)` of one W8A8 shape: at decode M in a chain over weight copies, as a cycle's layers run it."""
+def gdn_input_verify(m: int):
+    """`gemm(x, w, w_scale, bias, config)`: a GDN layer's input GEMM in a verify of m rows, as served
+    (server/hooks/gdn_input_proj.py): the conv update of q|k|v in its epilogue where the config allows it, else the
+    GEMM and then the conv kernel. Its conv inputs are made here, outside the timed graph."""
+    requests, cuts = m // BLOCK_SIZE, GDN_IN_PROJ_CUTS
+    state = torch.zeros(requests, GDN_CONV, GDN_CONV_WIDTH - 1, device="cuda", dtype=torch.bfloat16)
+    slots = torch.arange(requests, device="cuda", dtype=torch.int32)
+    call = dict(conv_state_indices=slots, intermediate_state_indices=slots,
+                intermediate_conv_window=state.new_zeros(requests, BLOCK_SIZE, GDN_CONV, GDN_CONV_WIDTH - 1))
+    conv_weight = torch.ones(GDN_CONV, GDN_CONV_WIDTH, device="cuda", dtype=torch.bfloat16)
+
+    def gemm(x, w, w_scale, bias, config):
+        y = torch.empty(m * w.shape[0], device="cuda", dtype=x.dtype)
+        qkv = w8a8_gemm.segments(y, m, list(cuts), w.shape[0])[0].view(requests, BLOCK_SIZE, -1).transpose(1, 2)
+        if w8a8_gemm.conv_fits(config, m, cuts, BLOCK_SIZE):
+            w8a8_gemm.launch(x, w, w_scale, bias, config, cuts=cuts, y=y,
+                             conv=conv_update.epilogue(qkv, state, conv_weight, None, "silu", **call))
+        else:
+            w8a8_gemm.launch(x, w, w_scale, bias, config, cuts=cuts, y=y)
+            conv_update.conv_update(qkv, state, conv_weight, None, "silu", **call)
+    return gemm
+
+
+def w8a8_timer(m: int, n: int, k: int, gemm=w8a8_gemm.launch):
+    """`time_us(config)` of one W8A8 shape: at decode M in a chain over weight copies, as a cycle's layers run it;
+    `gemm(x, w, w_scale, None, config)`: the call timed."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     if m > DECODE_MAX_M:
         w, w_scale = int8_weight(n, k)
-        return lambda c: cold_us(functools.partial(w8a8_gemm.launch, x, w, w_scale, None, c))
+        return lambda c: cold_us(functools.partial(gemm, x, w, w_scale, None, c))
     weights = [int8_weight(n, k) for _ in range(chain_calls(n * k))]
-    return lambda c: chain_us([functools.partial(w8a8_gemm.launch, x, w, w_scale, None, c) for w, w_scale in weights])
+    return lambda c: chain_us([functools.partial(gemm, x, w, w_scale, None, c) for w, w_scale in weights])
 
 
 def tune_w8a8(rows: tuple) -> dict:
@@ -75,7 +101,8 @@ def tune_w8a8(rows: tuple) -> dict:
     jobs = ([("verify", m, s) for m in decode for s in TARGET] + [("draft", m, s) for m in decode for s in DRAFTER]
             + [("prefill", m, s) for m in prefill for s in TARGET + DRAFTER])
     for phase, m, (name, n, k) in jobs:
-        cfg, us = best_config(w8a8_timer(m, n, k), w8a8_candidates(m))
+        served_as = gdn_input_verify(m) if (phase, name) == ("verify", "gdn.in_proj_qkvzba") else w8a8_gemm.launch
+        cfg, us = best_config(w8a8_timer(m, n, k, served_as), w8a8_candidates(m))
         table[(phase, m, n, k)] = cfg
         print(f"w8a8 {phase:7} M={m:5} {name:20} {us:9.1f} us  {n * k / us / 1e3:7.0f} GB/s  {cfg}", flush=True)
     return table
