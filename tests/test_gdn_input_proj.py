@@ -201,3 +201,17 @@ def test_a_verify_layer_whose_conv_call_never_comes_stops():
     with pytest.raises(RuntimeError, match="never came"):
         gdn_input_proj._verify_window(sglang_order(None, calls_conv=False), layer.linear_attn, rows(T, 13),
                                       _ForwardBatch(True))
+
+
+def test_a_verify_whose_gemm_config_cannot_hold_the_conv_runs_them_apart(monkeypatch):
+    """A split-K config (partial sums in its tiles) gets the GEMM at once and qflash's conv kernel after it."""
+    expected = verify_layer(2, 14, verify=False)
+    table_config = gdn_input_proj.w8a8_gemm.table_config
+    monkeypatch.setattr(gdn_input_proj.w8a8_gemm, "table_config", lambda *key: {**table_config(*key), "SPLIT_K": 2})
+    separate = []
+    run = conv_update.conv_update
+    monkeypatch.setattr(conv_update, "conv_update", lambda *a, **k: separate.append(1) or run(*a, **k))
+    got = verify_layer(2, 14, verify=True)
+    assert separate == [1] and gdn_input_proj._Verify.gemm is None
+    assert torch.equal(got[0][:T], expected[0][:T])  # the padding request's rows: the kernel's, unwritten
+    assert all(torch.equal(a, b) for a, b in zip(got[1:], expected[1:]))
