@@ -113,8 +113,8 @@ def _one_gemm(original, self, hidden_states):
     x = hidden_states if hidden_states.stride(-1) == 1 else hidden_states.contiguous()
     x_q, x_scale = handoff.take(x)
     phase = gemm_phase(self.in_proj_qkvz.quant_method.decode_phase, x.shape[0])
-    config = w8a8_gemm.table_config(phase, x.shape[0], weight.shape[0], x.shape[1])
-    if (_Verify.layer is self and not torch.compiler.is_compiling()
+    config = w8a8_gemm.table_config(phase, x.shape[0], weight.shape[0], x.shape[1]) if _Verify.layer is self else None
+    if (config is not None and not torch.compiler.is_compiling()
             and w8a8_gemm.conv_fits(config, x.shape[0], cuts, _Verify.block)):
         y = x.new_empty((x.shape[0] * weight.shape[0],))
         _Verify.gemm = (lambda conv: w8a8_gemm.launch(x, weight, scale, None, config, x_q, x_scale, cuts, conv, y)), y
