@@ -18,7 +18,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 from qflash.kernels import (block_attention, commit_steps, config_table, conv_update, gdn_verify, per_token_quant,
-                            sigmoid_mul_quant, w8a16_argmax, w8a16_gemm, w8a8_gemm)
+                            sigmoid_mul_quant, verify_metadata, w8a16_argmax, w8a16_gemm, w8a8_gemm)
 from qflash.server.tools import shapes
 from qflash.server import preset
 from conftest import REPO, run_python
@@ -431,6 +431,13 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
     compile_for_sm90(sigmoid_mul_quant._sigmoid_mul_quant_kernel,
                      {"attn_ptr": "*bf16", "gate_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32"}, config)
     done.append(("sigmoid_mul_quant", config, None))
+    pointers = {"req_to_token_ptr": "*i32", "pool_ptr": "*i64", "lens_ptr": "*i64", "qo_indptr_ptr": "*i64",
+                "kv_indptr_ptr": "*i32", "kv_indices_ptr": "*i64", "mask_indptr_ptr": "*i64",
+                "window_indptr_ptr": "*i32", "window_indices_ptr": "*i64", "window_offsets_ptr": "*i32"}
+    for window in (True, False):  # the drafter's sliding-window layers and the target's
+        compile_for_sm90(verify_metadata._verify_metadata_kernel, pointers,
+                         {**verify_metadata.CONFIG, "BS_BLOCK": 8, "WINDOW": window})
+    done.append(("verify_metadata", verify_metadata.CONFIG, None))
     return done
 
 

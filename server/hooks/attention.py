@@ -13,8 +13,12 @@
   as an attribute, `extend_attention_fwd`, which is wrapped by kernels/flash_prefill.py (torch's fused SDPA and
   flash attention) as each backend is built; every other extend (cached prefixes, masks, windows, caps, scaled
   KV, and batches while a CUDA graph is captured) reaches SGLang's kernel unchanged.
+- The speculative block's metadata: before each TARGET_VERIFY forward the backend fills its CUDA-graph buffers in
+  11 launches (the target's) or 18 (the drafter's, with its sliding window); kernels/verify_metadata.py fills the
+  same buffers with the same values in one. A custom mask or a window translated into a separate SWA pool stays
+  with SGLang's code.
 Retire when SGLang's Triton backend has split-KV verify on CUDA, handed the block's k and v as they are and
-writing them into the cache in that kernel, and a flash prefill path of its own.
+writing them into the cache in that kernel, a flash prefill path of its own, and its verify metadata in one launch.
 """
 
 import functools
@@ -111,7 +115,28 @@ def _block_attention(backend, q, k, v, layer, slots=None):
     return o if served else None
 
 
+def _verify_metadata_in_one_launch(original, self, bs, seq_lens, req_pool_indices, spec_info):
+    from qflash.kernels.verify_metadata import verify_metadata
+
+    block = getattr(spec_info, "draft_token_num", None)
+    block = self.num_draft_tokens if block is None else int(block)
+    window = self.sliding_window_size if self.sliding_window_size is not None and self.sliding_window_size > 0 else 0
+    if (bs == 0 or seq_lens.shape[0] != bs or getattr(spec_info, "custom_mask", None) is not None
+            or (window and hasattr(self.token_to_kv_pool, "translate_loc_from_full_to_swa"))):
+        return original(self, bs, seq_lens, req_pool_indices, spec_info)
+    windowed = (self.window_kv_indptr, self.cuda_graph_window_kv_indices, self.cuda_graph_window_kv_offsets) if window else ()
+    verify_metadata(self.req_to_token, req_pool_indices, seq_lens, block, self.qo_indptr, self.kv_indptr,
+                    self.cuda_graph_kv_indices, self.mask_indptr, window, *windowed)
+    # what SGLang's returns: without a window, its whole window indptr buffer and three Nones
+    window_outputs = ((self.window_kv_indptr[: bs + 1], self.cuda_graph_window_kv_indices,
+                       self.cuda_graph_window_num_kv_splits, self.cuda_graph_window_kv_offsets)
+                      if window else (self.window_kv_indptr, None, None, None))
+    return self.qo_indptr[: bs + 1], self.kv_indptr[: bs + 1], None, self.mask_indptr[: bs + 1], *window_outputs
+
+
 CHANGES = [
     Hook("sglang.srt.layers.attention.triton_backend.TritonAttnBackend.__init__", _wrap_prefill_kernel, "AFTER"),
     Hook("sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend", _block_on_strided_kv, "AROUND"),
+    Hook("sglang.srt.layers.attention.triton_backend.TritonAttnBackend._update_target_verify_buffers",
+         _verify_metadata_in_one_launch, "AROUND"),
 ]
