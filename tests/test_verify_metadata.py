@@ -1,8 +1,9 @@
 """The speculative block's attention metadata in one launch (kernels/verify_metadata.py), routed by
 server/hooks/attention.py: SGLang 0.5.17's Triton backend fills the same CUDA-graph buffers with its own
 `_update_target_verify_buffers` (torch operations and its kv-indices gather). Both run here on two copies of the
-same backend, every buffer starting as a sentinel (an indptr's entry 0 as zero, which SGLang never writes), so a missed write, a write SGLang does not make, or a wrong
-value shows. CPU: Triton's interpreter, which runs SGLang's gather too."""
+same backend. Every buffer starts as a sentinel, except an indptr's entry 0, which SGLang allocates as zero and
+never writes; so a missed write, a write SGLang does not make, or a wrong value shows. CPU: Triton's interpreter,
+which runs SGLang's gather too."""
 
 from types import SimpleNamespace
 

@@ -124,7 +124,8 @@ def _verify_metadata_in_one_launch(original, self, bs, seq_lens, req_pool_indice
     if (bs == 0 or seq_lens.shape[0] != bs or getattr(spec_info, "custom_mask", None) is not None
             or (window and hasattr(self.token_to_kv_pool, "translate_loc_from_full_to_swa"))):
         return original(self, bs, seq_lens, req_pool_indices, spec_info)
-    windowed = (self.window_kv_indptr, self.cuda_graph_window_kv_indices, self.cuda_graph_window_kv_offsets) if window else ()
+    windowed = ((self.window_kv_indptr, self.cuda_graph_window_kv_indices, self.cuda_graph_window_kv_offsets)
+                if window else ())
     verify_metadata(self.req_to_token, req_pool_indices, seq_lens, block, self.qo_indptr, self.kv_indptr,
                     self.cuda_graph_kv_indices, self.mask_indptr, window, *windowed)
     # what SGLang's returns: without a window, its whole window indptr buffer and three Nones
