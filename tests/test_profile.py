@@ -81,6 +81,19 @@ def test_summary_per_step_with_idle_time_and_overlapping_streams():
     assert "at the H100's 3.0 TB/s." in render(s, "title", {"qflash W8A8 GEMM": 0.1})
 
 
+def test_a_qflash_cycle_names_the_sglang_kernels_its_hooks_replace_that_were_launched():
+    """A hook that declines every served call leaves SGLang's kernel in the cycle; the profile names it."""
+    store = "void (anonymous namespace)::store_kvcache<2048l, 2048l, 4, true, long>((anonymous namespace)::StoreKVCacheParams)"
+    routed = summarize({"traceEvents": [kernel("_w8a8_gemm_kernel", 0, 10), kernel("_fwd_kernel_unified", 10, 10)]}, steps=2)
+    declined = summarize({"traceEvents": [kernel("_w8a8_gemm_kernel", 0, 10), kernel(store, 10, 10),
+                                          kernel(store, 20, 10), kernel("_fwd_kernel", 30, 10)]}, steps=2)
+    line = "SGLang kernels that qflash's hooks replace, launched in the cycle: "
+    assert line + "none" in render(routed, "title", qflash=True)
+    assert (line + "`store_kvcache<2048l, 2048l, 4, true, long>` 1.0 a cycle (for block attention's KV store), "
+            "`_fwd_kernel` 0.5 a cycle (for block attention)") in render(declined, "title", qflash=True)
+    assert "replace" not in render(declined, "title")  # a stock system's cycle runs them as it should
+
+
 def test_kernels_are_listed_by_symbol_without_return_type_or_parameters():
     fill = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<long>, at::detail::Array<char*, 1> >(int, at::native::FillFunctor<long>, at::detail::Array<char*, 1>)"
     assert short_name(fill) == "at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<long>, at::detail::Array<char*, 1> >"

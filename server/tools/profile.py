@@ -47,6 +47,21 @@ FAMILIES = [
 
 
 GEMMS = "|".join(pattern for name, pattern in FAMILIES if "GEMM" in name)
+# SGLang's kernels in a stock DFLASH decode cycle that qflash's hooks replace (found by comparing the two systems'
+# traces), with what runs instead: one still launched in qflash's cycle is a hook that did not route a served call.
+REPLACED = {
+    "_causal_conv1d_update_kernel": "the conv update in the GDN input GEMM's epilogue",
+    "fused_sigmoid_gating_delta_rule_update_kernel": "_gdn_verify_kernel",
+    "fused_qkvzba_split_reshape_cat_contiguous_kernel": "the GDN input GEMM's segments",
+    "fused_qkv_split_gdn_prefill_kernel": "the GDN q|k|v split as views",
+    "_layer_norm_fwd_1pass_kernel": "_gated_norm_quant_kernel",
+    "act_and_mul_kernel": "_silu_mul_quant_kernel",
+    "_fused_sigmoid_mul_kernel": "_sigmoid_mul_quant_kernel",
+    "_fwd_kernel": "block attention",
+    "store_kvcache": "block attention's KV store",
+    "_fused_mamba_state_scatter_with_mask_kernel": "_gdn_fold_kernel",
+    "create_flashinfer_kv_indices_triton": "_verify_metadata_kernel",
+}
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # torch profiler chrome-trace categories of GPU work
 # Host spans summed per step: the scheduler's own annotations (one loop iteration is recv, get-next-batch, run,
 # process-result), the model runner's forward steps inside run_batch, and the CUDA-graph launch calls.
@@ -177,6 +192,9 @@ def summarize(trace: dict, steps: int) -> dict:
         # (kernel, its family, launches per cycle, ms per cycle), the largest first
         "top_kernels": [(n, f, launches / cycles, us * 1e-3 / cycles)
                         for n, (us, launches, f) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]],
+        # (SGLang kernel that qflash replaces, launches per cycle, what qflash runs instead), of those in the trace
+        "replaced": [(n, launches / cycles, instead) for n, (_, launches, _) in per_kernel.items()
+                     for name, instead in REPLACED.items() if re.match(rf"{name}\b", n)],
         "host": {k: v * ms for k, v in sorted(host.items(), key=lambda kv: -kv[1])},
         "gap_cycle_us": gap_us / cycles,
         # (kernel before, kernel after, gaps per cycle, us per cycle), the largest first
@@ -185,9 +203,9 @@ def summarize(trace: dict, steps: int) -> dict:
     }
 
 
-def render(summary: dict, title: str, family_floors: dict[str, float] | None = None) -> str:
+def render(summary: dict, title: str, family_floors: dict[str, float] | None = None, qflash: bool = False) -> str:
     """The summary as markdown; with `family_floors` (floors.per_cycle_ms), each family's time per cycle against its
-    floor."""
+    floor; for a `qflash` cycle, which of the SGLang kernels it replaces were launched."""
     window, family_floors = summary["window_ms"], family_floors or {}
     per_cycle = summary["steps"] / summary["cycles"]  # a family's ms per step -> per cycle
     card, tbps = floors.card_rate(summary["device"])
@@ -213,6 +231,9 @@ def render(summary: dict, title: str, family_floors: dict[str, float] | None = N
         lines += [f"| `{k}` | {v:.3f} |" for k, v in summary["host"].items()]
     if summary["top_other"]:
         lines += ["", "Largest kernels outside the families: " + ", ".join(f"`{n}` {v:.3f} ms" for n, v in summary["top_other"])]
+    if qflash:
+        launched = ", ".join(f"`{n}` {per:.1f} a cycle (for {instead})" for n, per, instead in summary["replaced"])
+        lines += ["", f"SGLang kernels that qflash's hooks replace, launched in the cycle: {launched or 'none'}"]
     lines += ["", "| kernel | family | launches per cycle | ms per cycle |", "| --- | --- | ---: | ---: |"]
     lines += [f"| `{n}` | {f} | {launches:.1f} | {ms:.4f} |" for n, f, launches, ms in summary["top_kernels"]]
     if summary["top_gaps"]:
@@ -282,7 +303,8 @@ def profile_buckets(server, system: str, out: Path, prompt_lens: list[int], step
         extra = ((" --prefill" if prefill else "") + (f" --cached {cached}" if cached else "")
                  + (" --with-stack" if with_stack else "") + (f" {' '.join(flags)}" if flags else ""))
         title = f"`qflash profile --system {system} --prompt-len {prompt_len} --steps {steps}{extra}`: {trace_path.name}"
-        table = render(summary, title, floors.per_cycle_ms(prompt_len, summary["device"]) if system == "qflash" and not prefill else None)
+        decode = system == "qflash" and not prefill
+        table = render(summary, title, floors.per_cycle_ms(prompt_len, summary["device"]) if decode else None, decode)
         (out / f"{system}-{prompt_len}{kind}-profile.md").write_text(table)
         report[prompt_len] = summary
         print(table)
