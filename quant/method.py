@@ -5,8 +5,8 @@
   SGLang's own W8A8 int8 method does, and runs `qflash::w8a8_gemm`; the untied int8 lm_head runs
   `qflash::w8a16_gemm` for logits (the DFlash draft pick uses its fused argmax, server/hooks/draft_pick.py).
 - Drafter, a bf16 checkpoint (SGLang builds the config with no arguments for a draft model): linears load
-  bf16 and are quantized per channel once loaded, then run the same W8A8 kernel; its `qkv_proj` stays bf16
-  (DRAFTER_BF16).
+  bf16 and are quantized per channel once loaded, then run the same W8A8 kernel; its `qkv_proj` keeps its bf16
+  weights beside the int8 ones (DrafterQKVMethod).
 Each GEMM reads its launch config from the table of its phase, which follows from the role and M.
 """
 
@@ -28,14 +28,14 @@ from qflash.quant import handoff
 from qflash.quant.layout import LM_HEAD_KEY, METHOD_NAME
 from qflash.quant.quantize import quantize_per_channel
 
-# The drafter's fused QKV stays bf16: after each verify, DFLASH writes the accepted tokens' context K/V into all
-# drafter layers through SGLang's fused materialisation (one stacked GEMM + one Triton kernel), which takes bf16
-# qkv weights only; an int8 qkv_proj sends it to a per-layer eager loop of ~130 host-side launches per cycle.
-DRAFTER_BF16 = ("qkv_proj",)
-
-
 def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1]
+
+
+def _w8a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
+          decode_phase: str) -> torch.Tensor:
+    x_q, x_scale = handoff.take(x)  # x's int8 rows, where the kernel that wrote x wrote them too
+    return torch.ops.qflash.w8a8_gemm(x, weight, scale, bias, gemm_phase(decode_phase, _rows(x)), x_q, x_scale)
 
 
 class W8A8LinearMethod(W8A8Int8LinearMethod):
@@ -50,9 +50,7 @@ class W8A8LinearMethod(W8A8Int8LinearMethod):
         layer.weight_scale = Parameter(layer.weight_scale.data.reshape(-1).float().contiguous(), requires_grad=False)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        phase = gemm_phase(self.decode_phase, _rows(x))
-        x_q, x_scale = handoff.take(x)  # x's int8 rows, where the kernel that wrote x wrote them too
-        return torch.ops.qflash.w8a8_gemm(x, layer.weight, layer.weight_scale, bias, phase, x_q, x_scale)
+        return _w8a8(x, layer.weight, layer.weight_scale, bias, self.decode_phase)
 
 
 class OnlineW8A8LinearMethod(W8A8LinearMethod):
@@ -68,6 +66,26 @@ class OnlineW8A8LinearMethod(W8A8LinearMethod):
         weight, scale = quantize_per_channel(layer.weight.data)
         layer.weight = Parameter(weight, requires_grad=False)
         layer.weight_scale = Parameter(scale.reshape(-1).contiguous(), requires_grad=False)
+
+
+class DrafterQKVMethod(UnquantizedLinearMethod):
+    """The drafter's fused QKV: its bf16 weights for DFLASH's context-KV write, an int8 copy for the draft forward.
+
+    After each verify, DFLASH writes the accepted tokens' K/V into every drafter layer through SGLang's fused
+    materialisation (one GEMM over the stacked K|V rows of these weights, then one Triton kernel), which takes an
+    `UnquantizedLinearMethod`'s bf16 weights only; any other method sends it to a per-layer eager loop of ~130
+    host-side launches a cycle. The draft forward's projection reads the whole matrix once a cycle in each layer:
+    on the W8A8 kernel over the int8 copy (quantized per channel once loaded, as the drafter's other linears) it reads
+    half the bytes. The draft only proposes tokens, which the target verifies: its precision moves acceptance, never
+    the output."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        super().process_weights_after_loading(layer)
+        layer.int8_weight, scale = quantize_per_channel(layer.weight.data)
+        layer.int8_weight_scale = scale.reshape(-1).contiguous()
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return _w8a8(x, layer.int8_weight, layer.int8_weight_scale, bias, "draft")
 
 
 class W8A16LMHeadMethod(QuantizeMethodBase):
@@ -109,7 +127,7 @@ def greedy_ids(lm_head: torch.nn.Module, hidden: torch.Tensor, num_org: int,
 
 
 def runs_w8a8(linear: Any) -> bool:
-    return isinstance(getattr(linear, "quant_method", None), W8A8LinearMethod)
+    return isinstance(getattr(linear, "quant_method", None), (W8A8LinearMethod, DrafterQKVMethod))
 
 
 def is_int8_lm_head(lm_head: Any) -> bool:
@@ -160,8 +178,8 @@ class QflashW8A8Config(QuantizationConfig):
                 return UnquantizedLinearMethod()
             if self.prequantized:
                 return W8A8LinearMethod("verify")
-            if prefix.rsplit(".", 1)[-1] in DRAFTER_BF16:
-                return UnquantizedLinearMethod()
+            if prefix.rsplit(".", 1)[-1] == "qkv_proj":
+                return DrafterQKVMethod()
             return OnlineW8A8LinearMethod()
         return None
 

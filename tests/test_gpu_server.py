@@ -226,11 +226,11 @@ def test_every_layers_norms_activation_and_gate_hand_int8_rows_to_the_projection
     from qflash.server.preset import DRAFTER_CONFIG, TEXT_CONFIG
 
     # Every layer's two norms and activation, each Gated-DeltaNet layer's output norm, each attention layer's output
-    # gate; the drafter's post-attention norm and activation (its input norm feeds its bf16 QKV).
+    # gate; the drafter's two norms and activation (its QKV projects on its int8 copy).
     gdn_layers = TEXT_CONFIG["layer_types"].count("linear_attention")
     attention_layers = TEXT_CONFIG["layer_types"].count("full_attention")
     target = 3 * TEXT_CONFIG["num_hidden_layers"] + gdn_layers + attention_layers
     expected = [HANDOFF_LOG.format(model="target", count=target),
-                HANDOFF_LOG.format(model="drafter", count=2 * DRAFTER_CONFIG["num_hidden_layers"])]
+                HANDOFF_LOG.format(model="drafter", count=3 * DRAFTER_CONFIG["num_hidden_layers"])]
     found = [line for line in served_log().splitlines() if "int8 rows" in line]
     assert all(any(line in log for log in found) for line in expected), found

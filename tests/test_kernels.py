@@ -280,9 +280,10 @@ def test_shapes_follow_from_the_preset():
         "gdn.out_proj": (h, value), "attn.qkv_proj": (2 * q + 2 * kv, h), "attn.o_proj": (h, q),
         "mlp.gate_up_proj": (2 * ffn, h), "mlp.down_proj": (h, ffn)}
     dq = d["num_attention_heads"] * d["head_dim"]
-    # its qkv_proj runs bf16 (quant/method.py), its fc is a plain nn.Linear in SGLang's DFlash model
+    dkv = d["num_key_value_heads"] * d["head_dim"]
+    # its fc is a plain nn.Linear in SGLang's DFlash model
     assert dict((n, (N, K)) for n, N, K in shapes.DRAFTER) == {
-        "draft.o_proj": (h, dq), "draft.gate_up_proj": (2 * ffn, h), "draft.down_proj": (h, ffn)}
+        "draft.qkv_proj": (dq + 2 * dkv, h), "draft.o_proj": (h, dq), "draft.gate_up_proj": (2 * ffn, h), "draft.down_proj": (h, ffn)}
     assert shapes.LM_HEAD == ("lm_head", t["vocab_size"], h)
     assert sum(shapes.TARGET_COUNT.values()) == 24 * 2 + 8 * 2 + 32 * 2
 

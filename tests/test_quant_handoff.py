@@ -11,7 +11,7 @@ from qflash.kernels.norm_quant import rms_norm_quant
 from qflash.kernels.sigmoid_mul_quant import sigmoid_mul_quant
 from qflash.kernels.silu_mul_quant import silu_mul_quant
 from qflash.quant import handoff
-from qflash.quant.method import W8A8LinearMethod, runs_w8a8
+from qflash.quant.method import DrafterQKVMethod, W8A8LinearMethod, runs_w8a8
 from qflash.server.hooks.quant_handoff import (_gate_with_int8_output, _gated_norm_with_int8_output,
                                                _name_the_gated_layer, _rms_norm, _silu_mul_with_int8_output)
 from test_kernels import BF16_ULP, DEVICE, int8_weight, quant_reference
@@ -237,8 +237,8 @@ def _module(**children):
 
 
 def test_each_layers_producers_of_w8a8_input_are_marked_with_their_projections_row_width():
-    """The names of SGLang's layers: a target's Gated-DeltaNet layer and a DFlash drafter layer, whose QKV stays
-    bf16 (so its input norm keeps SGLang's kernel)."""
+    """The names of SGLang's layers: a target's Gated-DeltaNet layer, a DFlash drafter layer, and one whose QKV is
+    a plain bf16 linear (so its input norm keeps SGLang's kernel)."""
     from qflash.server.models.qwen3_5_text import mark_int8_handoffs
 
     def w8a8(n, k, row_parallel=False):
@@ -252,19 +252,26 @@ def test_each_layers_producers_of_w8a8_input_are_marked_with_their_projections_r
                   linear_attn=_module(in_proj_qkvz=w8a8(96, 64), in_proj_ba=w8a8(8, 64), norm=torch.nn.Module(),
                                       out_proj=w8a8(64, 128, row_parallel=True)),
                   mlp=_module(gate_up_proj=w8a8(192, 64), act_fn=torch.nn.Module(), down_proj=w8a8(64, 96)))
-    drafter = _module(input_layernorm=torch.nn.Module(), post_attention_layernorm=torch.nn.Module(),
-                      self_attn=_module(qkv_proj=torch.nn.Linear(64, 96)),
-                      mlp=_module(gate_up_proj=w8a8(192, 64), act_fn=torch.nn.Module(), down_proj=w8a8(64, 96)))
+    def qkv(method):
+        linear = torch.nn.Linear(64, 96)
+        linear.input_size, linear.quant_method = 64, method
+        return linear
+
+    drafter, plain_qkv = (_module(input_layernorm=torch.nn.Module(), post_attention_layernorm=torch.nn.Module(),
+                                  self_attn=_module(qkv_proj=qkv(method)),
+                                  mlp=_module(gate_up_proj=w8a8(192, 64), act_fn=torch.nn.Module(), down_proj=w8a8(64, 96)))
+                          for method in (DrafterQKVMethod(), None))
     attention = _module(input_layernorm=torch.nn.Module(), post_attention_layernorm=torch.nn.Module(),
                         qkv_proj=w8a8(160, 64), o_proj=w8a8(64, 128, row_parallel=True),
                         mlp=_module(gate_up_proj=w8a8(192, 64), act_fn=torch.nn.Module(), down_proj=w8a8(64, 96)))
-    assert mark_int8_handoffs([gdn, drafter, attention]) == 4 + 2 + 4
+    assert mark_int8_handoffs([gdn, drafter, plain_qkv, attention]) == 4 + 3 + 2 + 4
+    layers = (("gdn", gdn), ("drafter", drafter), ("plain_qkv", plain_qkv), ("attention", attention))
     marks = {(layer, name): (getattr(module, handoff.MARK), getattr(module, handoff.ROW_WIDTH))
-             for layer, model in (("gdn", gdn), ("drafter", drafter), ("attention", attention))
-             for name, module in model.named_modules() if hasattr(module, handoff.MARK)}
+             for layer, model in layers for name, module in model.named_modules() if hasattr(module, handoff.MARK)}
     layer_norms_and_mlp = lambda layer, input_norm: {
         (layer, "input_layernorm"): input_norm, (layer, "post_attention_layernorm"): (True, 64),
         (layer, "mlp.act_fn"): (True, 96)}
     assert marks == {("gdn", ""): (False, 0), ("gdn", "linear_attn.norm"): (True, 128), ("drafter", ""): (False, 0),
-                     ("attention", ""): (True, 128), **layer_norms_and_mlp("gdn", (True, 64)),
-                     **layer_norms_and_mlp("drafter", (False, 0)), **layer_norms_and_mlp("attention", (True, 64))}
+                     ("plain_qkv", ""): (False, 0), ("attention", ""): (True, 128),
+                     **layer_norms_and_mlp("gdn", (True, 64)), **layer_norms_and_mlp("drafter", (True, 64)),
+                     **layer_norms_and_mlp("plain_qkv", (False, 64)), **layer_norms_and_mlp("attention", (True, 64))}

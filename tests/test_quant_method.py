@@ -93,20 +93,33 @@ def check_drafter_linear_quantized_at_load():
     assert rel_err(y, reference(x, q, scale)) <= 2.0 ** -7 + 1e-6
 
 
-def check_drafter_qkv_stays_bf16_for_fused_kv_materialisation():
+def check_drafter_qkv_keeps_bf16_for_fused_kv_materialisation_and_projects_in_int8():
+    """The drafter's QKV keeps bf16 weights that SGLang's fused context-KV write accepts and slices, and projects
+    the draft's rows on the W8A8 kernel over an int8 copy of them."""
     from sglang.srt.layers.linear import QKVParallelLinear
-    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
     from sglang.srt.speculative.dflash_utils import can_dflash_use_fused_qkv_proj
 
-    from qflash.quant.method import W8A8LinearMethod
+    from qflash.quant.method import DrafterQKVMethod, W8A8LinearMethod, runs_w8a8
+    from qflash.quant.quantize import quantize_per_channel
 
     def qkv(cfg, prefix):
         with torch.device(DEVICE):
             return QKVParallelLinear(64, 16, 4, 2, bias=False, quant_config=cfg, prefix=prefix, params_dtype=torch.bfloat16)
 
     drafter = qkv(QflashW8A8Config(), "qkv_proj")  # SGLang's DFlash layers name it so
-    assert type(drafter.quant_method) is UnquantizedLinearMethod and drafter.weight.dtype == torch.bfloat16
+    assert type(drafter.quant_method) is DrafterQKVMethod and drafter.weight.dtype == torch.bfloat16
+    w = torch.randn(128, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    for shard_id, rows in (("q", w[:64]), ("k", w[64:96]), ("v", w[96:])):
+        drafter.weight.weight_loader(drafter.weight, rows, shard_id)
+    drafter.quant_method.process_weights_after_loading(drafter)
     assert can_dflash_use_fused_qkv_proj(drafter) == (True, "")  # SGLang's own check for its fused path
+    assert torch.equal(drafter.weight.cpu(), w), "the fused KV write slices the bf16 weights"
+    q, scale = quantize_per_channel(w.to(DEVICE))
+    assert torch.equal(drafter.int8_weight, q) and torch.equal(drafter.int8_weight_scale, scale.reshape(-1))
+    assert runs_w8a8(drafter), "its input norm hands it int8 rows"
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16).to(DEVICE)
+    y, _ = drafter(x)
+    assert y.shape == (16, 128) and rel_err(y, reference(x, q, scale)) <= 2.0 ** -7 + 1e-6
     target = qkv(QflashW8A8Config.from_config(quantized_config(TARGET_CONFIG)["quantization_config"]),
                  "model.layers.3.self_attn.qkv_proj")
     assert type(target.quant_method) is W8A8LinearMethod and target.weight.dtype == torch.int8
@@ -186,7 +199,8 @@ def check_logits_written_into_sglangs_buffer():
 
 @pytest.mark.parametrize("check", ["check_checkpoint_linear", "check_ignored_linear_stays_bf16",
                                    "check_drafter_linear_quantized_at_load",
-                                   "check_drafter_qkv_stays_bf16_for_fused_kv_materialisation", "check_int8_lm_head",
+                                   "check_drafter_qkv_keeps_bf16_for_fused_kv_materialisation_and_projects_in_int8",
+                                   "check_int8_lm_head",
                                    "check_logits_written_into_sglangs_buffer"])
 def test_sglang_layers_run_on_qflash_kernels(check):
     code = (f"import sys\nsys.path.insert(0, {str(REPO / 'tests')!r})\nimport test_quant_method as t\n"

@@ -5,10 +5,9 @@ SGLang 0.5.17 runs RMSNorm and GemmaRMSNorm (with their residual add) and SiluAn
 Gated-DeltaNet's gated output norm on FLA's Triton kernel; qflash's W8A8 GEMM then quantizes each output per
 token in a launch of its own: 156 of a cycle's 170 quantizations follow one of these. For a module qflash's model
 classes marked (quant/handoff.py `mark`), the forward runs qflash's kernel that writes the same output and its
-int8 rows in one launch, and hands the rows to the projections. Unmarked modules (the final norms, the drafter's
-input norms before its bf16 QKV) and calls the fused kernels do not cover keep SGLang's path. Hooked on each
-class's `forward_cuda` (which each instance binds as its forward when SGLang builds the model), the gated norm's
-`forward`. The target's attention output gate before o_proj is a function (`fused_sigmoid_mul`, in place), not a
+int8 rows in one launch, and hands the rows to the projections. Unmarked modules (the final norms) and calls the
+fused kernels do not cover keep SGLang's path. Hooked on each class's `forward_cuda` (which each instance binds as
+its forward when SGLang builds the model), the gated norm's `forward`. The target's attention output gate before o_proj is a function (`fused_sigmoid_mul`, in place), not a
 module: the attention layer names itself around its `self_attention` (the layer is marked under "" in the model's
 INT8_HANDOFFS), and the gate called inside a marked layer writes o_proj's int8 rows too. Retire when SGLang's norms,
 activations and gates hand a quantized output to int8 W8A8 linears on CUDA, as its fused allreduce-norm-quant path

@@ -30,7 +30,7 @@ MERGE_LOG = "qflash: target: {count} Gated-DeltaNet layers run in_proj_qkvz and 
 # of the target and of the DFlash drafter's layers; "" is the layer itself: the target attention's output gate).
 INT8_HANDOFFS = {
     "": ("o_proj",),
-    "input_layernorm": ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba", "qkv_proj"),
+    "input_layernorm": ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba", "qkv_proj", "self_attn.qkv_proj"),
     "post_attention_layernorm": ("mlp.gate_up_proj",),
     "mlp.act_fn": ("mlp.down_proj",),
     "linear_attn.norm": ("linear_attn.out_proj",),

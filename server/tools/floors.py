@@ -3,8 +3,8 @@ can beat at M = 16, where every phase reads its weights and states once and its 
 
 Per cycle: the W8A8 GEMMs read the int8 target body and the drafter's int8 layers; the W8A16 lm_head reads the
 int8 vocabulary matrix for the verify's logits and the fused argmax reads it again for the draft's pick; the
-drafter's bf16 GEMMs read its qkv_proj (quant/method.py, DRAFTER_BF16) and its fc over the target's hidden
-states; Gated-DeltaNet reads each layer's fp32 state in the verify, reads and writes it in the commit's fold;
+drafter's bf16 GEMMs read its fc over the target's hidden states and, for the context-KV write, the K|V rows of
+its qkv_proj's bf16 weights (quant/method.py, DrafterQKVMethod); Gated-DeltaNet reads each layer's fp32 state in the verify, reads and writes it in the commit's fold;
 attention reads the KV cache of the context (the target's full-attention layers, the drafter's five sliding and
 one full layer). Norms, quantization, copies and sampling move activations only: no floor to speak of.
 """
@@ -30,7 +30,7 @@ def _bytes_per_cycle(context: int) -> dict[str, float]:
     drafter_layers = d["num_hidden_layers"]
     _, value_heads, head_dim = GDN_HEADS
     _, kv_heads, attention_dim = ATTENTION_HEADS
-    drafter_qkv = (d["num_attention_heads"] + 2 * d["num_key_value_heads"]) * d["head_dim"] * HIDDEN
+    drafter_kv_rows = 2 * d["num_key_value_heads"] * d["head_dim"] * HIDDEN
     drafter_fc = len(d["dflash_config"]["target_layer_ids"]) * HIDDEN * HIDDEN
     drafter_kv_token = 2 * d["num_key_value_heads"] * d["head_dim"] * 2  # bf16 K and V of one token, one layer
     drafter_context = sum(min(context, d["sliding_window"]) if kind == "sliding_attention" else context
@@ -40,7 +40,7 @@ def _bytes_per_cycle(context: int) -> dict[str, float]:
                             + drafter_layers * sum(n * k for _, n, k in DRAFTER),
         "qflash W8A16 lm_head": LM_HEAD[1] * LM_HEAD[2],
         "qflash fused argmax": LM_HEAD[1] * LM_HEAD[2],
-        "bf16 GEMM (cuBLAS / CUTLASS)": 2 * (drafter_layers * drafter_qkv + drafter_fc),
+        "bf16 GEMM (cuBLAS / CUTLASS)": 2 * (drafter_layers * drafter_kv_rows + drafter_fc),
         "Gated-DeltaNet": 3 * GDN_LAYERS * value_heads * head_dim * head_dim * 4,
         "attention": ATTENTION_LAYERS * context * 2 * kv_heads * attention_dim * 2
                      + drafter_context * drafter_kv_token,

@@ -1,9 +1,9 @@
 """The GEMMs of Qwen3.5-4B and its DFlash drafter as SGLang runs them (after its weight fusions), from the preset.
 
 (name, N, K): y[M, N] = x[M, K] @ w[N, K]^T. M is 16 per request in verify and draft (block 16), the prompt
-length in prefill. The tuner, `qflash bench-kernels` and the kernel tests read these. The drafter's qkv_proj is
-not here (it stays bf16: quant/method.py, DRAFTER_BF16), nor its fc (a plain `nn.Linear` in SGLang's DFlash
-model, which no quantization method reaches).
+length in prefill. The tuner, `qflash bench-kernels` and the kernel tests read these. The drafter's qkv_proj
+runs on its int8 copy (quant/method.py, DrafterQKVMethod); its fc is not here (a plain `nn.Linear` in SGLang's
+DFlash model, which no quantization method reaches).
 """
 
 from qflash.server.preset import DRAFTER_CONFIG, TEXT_CONFIG
@@ -32,6 +32,7 @@ TARGET = [
     ("mlp.down_proj", HIDDEN, _t["intermediate_size"]),
 ]
 DRAFTER = [
+    ("draft.qkv_proj", (_d["num_attention_heads"] + 2 * _d["num_key_value_heads"]) * _d["head_dim"], _d["hidden_size"]),
     ("draft.o_proj", _d["hidden_size"], _d["num_attention_heads"] * _d["head_dim"]),
     ("draft.gate_up_proj", 2 * _d["intermediate_size"], _d["hidden_size"]),
     ("draft.down_proj", _d["hidden_size"], _d["intermediate_size"]),
