@@ -17,8 +17,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from qflash.kernels import (block_attention, commit_steps, config_table, conv_update, gdn_verify, per_token_quant,
-                            sigmoid_mul_quant, verify_metadata, w8a16_argmax, w8a16_gemm, w8a8_gemm)
+from qflash.kernels import (block_attention, commit_steps, config_table, conv_update, embedding, gdn_verify,
+                            per_token_quant, sigmoid_mul_quant, verify_metadata, w8a16_argmax, w8a16_gemm, w8a8_gemm)
 from qflash.server.tools import shapes
 from qflash.server import preset
 from conftest import REPO, run_python
@@ -439,6 +439,9 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
         compile_for_sm90(verify_metadata._verify_metadata_kernel, pointers,
                          {**verify_metadata.CONFIG, "BS_BLOCK": 8, "WINDOW": window})
     done.append(("verify_metadata", verify_metadata.CONFIG, None))
+    compile_for_sm90(embedding._embedding_kernel, {"ids_ptr": "*i64", "table_ptr": "*bf16", "out_ptr": "*bf16"},
+                     embedding.CONFIG, ("D", "stride_table", "stride_out"))
+    done.append(("embedding", embedding.CONFIG, None))
     return done
 
 

@@ -61,6 +61,7 @@ REPLACED = {
     "store_kvcache": "block attention's KV store",
     "_fused_mamba_state_scatter_with_mask_kernel": "_gdn_fold_kernel",
     "create_flashinfer_kv_indices_triton": "_verify_metadata_kernel",
+    "at::native::indexSelectSmallIndex": "_embedding_kernel",  # torch's, under SGLang's token embedding
 }
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # torch profiler chrome-trace categories of GPU work
 # Host spans summed per step: the scheduler's own annotations (one loop iteration is recv, get-next-batch, run,
