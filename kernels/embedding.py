@@ -31,8 +31,8 @@ def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     (M,), (V, D) = flat.shape, table.shape
     out = torch.empty((M, D), dtype=table.dtype, device=table.device)
     if M:
-        _embedding_kernel[(M, triton.cdiv(D, CONFIG["BLOCK_D"]))](flat, table, out, V, D, table.stride(0), out.stride(0),
-                                                                 **CONFIG, **pdl.options(table.device))
+        _embedding_kernel[(M, triton.cdiv(D, CONFIG["BLOCK_D"]))](flat, table, out, V, D, table.stride(0),
+                                                                 out.stride(0), **CONFIG, **pdl.options(table.device))
     return out.view(*ids.shape, D)
 
 

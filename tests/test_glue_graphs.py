@@ -360,3 +360,26 @@ def test_sglangs_full_graphs_are_kept_when_captured_and_embedded_inside_a_cycles
     monkeypatch.setattr(glue._capture, "active", True)
     assert cycle_graphs._embed_inside_a_cycle_capture(replay, backend, "bs 1", None) == "logits"
     assert embedded == [made[0]] and replays == ["bs 1"]
+
+
+def test_a_graphed_cycles_verify_pick_runs_qflashs_row_argmax_and_an_eager_cycles_torchs(cycle_env, monkeypatch):
+    """In the cycles a graph holds (the eager first run that compiles, the capture) torch.argmax over the verify's
+    fp32 logits runs qflash's kernel; a cycle outside them keeps torch's."""
+    from qflash.kernels import row_argmax
+
+    picks, ours = [], row_argmax.argmax
+    monkeypatch.setattr(row_argmax, "argmax", lambda x: picks.append("qflash") or ours(x))
+    logits = torch.randn(2 * 16, cycle_graphs.VOCAB_WIDE, generator=torch.Generator().manual_seed(0))
+
+    class PickingWorker(CycleWorker):
+        def cycle(self, batch, on_publish=None, grammar_barrier=None):
+            self.picked = torch.argmax(logits, dim=-1).view(2, 16)  # as SGLang's verify picks
+            return CycleWorker.cycle(self, batch, on_publish, grammar_barrier)
+
+    worker = PickingWorker()
+    for _ in range(2):  # eager, captured
+        cycle_graphs.run_cycle(PickingWorker.cycle, worker, cycle_batch([100, 200]))
+        assert torch.equal(worker.picked.view(-1), logits.argmax(-1))  # outside any cycle: torch's
+    assert picks == ["qflash"] * 2
+    cycle_graphs.run_cycle(PickingWorker.cycle, worker, cycle_batch([100, 200]), graphed=False)
+    assert picks == ["qflash"] * 2

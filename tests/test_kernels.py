@@ -18,7 +18,8 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 from qflash.kernels import (block_attention, commit_steps, config_table, conv_update, embedding, gdn_verify,
-                            per_token_quant, sigmoid_mul_quant, verify_metadata, w8a16_argmax, w8a16_gemm, w8a8_gemm)
+                            per_token_quant, row_argmax, sigmoid_mul_quant, verify_metadata, w8a16_argmax, w8a16_gemm,
+                            w8a8_gemm)
 from qflash.server.tools import shapes
 from qflash.server import preset
 from conftest import REPO, run_python
@@ -439,6 +440,12 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
         compile_for_sm90(verify_metadata._verify_metadata_kernel, pointers,
                          {**verify_metadata.CONFIG, "BS_BLOCK": 8, "WINDOW": window})
     done.append(("verify_metadata", verify_metadata.CONFIG, None))
+    compile_for_sm90(row_argmax._row_argmax_tile_kernel, {"x_ptr": "*fp32", "max_ptr": "*fp32", "idx_ptr": "*i32"},
+                     row_argmax.CONFIG, ("N", "stride_xm"))
+    tiles = triton.next_power_of_2(triton.cdiv(shapes.LM_HEAD[1], row_argmax.CONFIG["BLOCK_N"]))
+    compile_for_sm90(w8a16_argmax._argmax_pick_kernel, {"max_ptr": "*fp32", "idx_ptr": "*i32", "out_ptr": "*i64"},
+                     {"BLOCK_T": tiles})
+    done.append(("row_argmax", row_argmax.CONFIG, None))
     compile_for_sm90(embedding._embedding_kernel, {"ids_ptr": "*i64", "table_ptr": "*bf16", "out_ptr": "*bf16"},
                      embedding.CONFIG, ("D", "stride_table", "stride_out"))
     done.append(("embedding", embedding.CONFIG, None))

@@ -17,13 +17,20 @@ cycles of a batch size all do the same GPU work at the same addresses, so a cycl
   as each value fills the cycle's tensors differently; the forwards' read-done event is recorded after it.
 - Only greedy batches without penalties, logit bias or custom processors are captured: those change the
   verify's logits from host state per step.
+- The verify's greedy pick, `torch.argmax` over its fp32 logits, runs qflash's row argmax (kernels/row_argmax.py,
+  the same indices) in the cycles the graph holds: `VocabArgmax`, a dispatch mode around the cycle's eager run and
+  its capture (the eager run compiles the kernels outside the capture).
 Retire when SGLang captures a whole speculative cycle (or several) in one graph.
 """
 
 import copy
 import functools
 
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from qflash.graphs import glue
+from qflash.kernels import row_argmax
 from qflash.server.hooks import Hook, radix_cache
 from qflash.server.hooks.glue_graphs import drafter_kv_buffers
 
@@ -69,17 +76,36 @@ def run_cycle(cycle, worker, batch, on_publish=None, grammar_barrier=None, graph
     return result
 
 
+VOCAB_WIDE = 65536  # an argmax over rows at least this wide is a pick over the vocabulary
+
+
+class VocabArgmax(TorchDispatchMode):
+    """torch.argmax(x, dim=-1) of an fp32 matrix as wide as a vocabulary, on qflash's row argmax; every other call
+    as torch runs it."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.argmax.default and _vocabulary_pick(*args, **kwargs):
+            return row_argmax.argmax(args[0])
+        return func(*args, **kwargs)
+
+
+def _vocabulary_pick(x, dim=None, keepdim=False) -> bool:
+    return (dim in (-1, 1) and not keepdim and x.dim() == 2 and x.dtype == torch.float32 and x.stride(1) == 1
+            and x.shape[1] >= VOCAB_WIDE)
+
+
 def _captured_cycle(cycle, worker, batch):
     """The cycle as a graph holds it: outputs in fresh tensors (the graph's own, when captured), nothing published
     (run_cycle publishes after it); inside a capture, both forwards must have replayed their graphs."""
     if not glue.capturing():
-        return cycle(worker, batch, on_publish=None, grammar_barrier=None), batch.out_cache_loc
-    import torch
-
+        with VocabArgmax():
+            return cycle(worker, batch, on_publish=None, grammar_barrier=None), batch.out_cache_loc
     rotating = worker._next_accept_bonus_buffers  # SGLang's accept kernel writes every element of these
     worker._next_accept_bonus_buffers = lambda bs: tuple(torch.empty_like(t) for t in rotating(bs))
     try:
-        result = cycle(worker, batch, on_publish=None, grammar_barrier=None)
+        with VocabArgmax():
+            result = cycle(worker, batch, on_publish=None, grammar_barrier=None)
     finally:
         del worker._next_accept_bonus_buffers  # the class's method again
     if glue.embedded() != 2:
@@ -106,8 +132,6 @@ def _republish_read_done(worker) -> None:
     waits on (the worker's `war_fastpath_runner`'s) before writing them again; a replayed cycle ran no Python to
     record one, and one recorded inside a capture cannot be waited on: record it after the cycle (later than
     needed, never too early)."""
-    import torch
-
     event = torch.cuda.Event()
     event.record()
     worker.war_fastpath_runner.war_fastpath_read_done_event = event
@@ -116,8 +140,6 @@ def _republish_read_done(worker) -> None:
 def _keep_decode_graphs(original, self, shape_key, *args, **kwargs):
     """SGLang's full CUDA graphs (the decode runners') captured with their graph kept, so that a cycle's capture
     can embed them."""
-    import torch
-
     plain = torch.cuda.CUDAGraph
     torch.cuda.CUDAGraph = functools.partial(plain, keep_graph=True)  # the backend builds it inside the call
     try:

@@ -48,7 +48,8 @@ FAMILIES = [
 
 GEMMS = "|".join(pattern for name, pattern in FAMILIES if "GEMM" in name)
 # SGLang's kernels in a stock DFLASH decode cycle that qflash's hooks replace (found by comparing the two systems'
-# traces), with what runs instead: one still launched in qflash's cycle is a hook that did not route a served call.
+# traces; patterns matched at the start of a kernel's name), with what runs instead: one still launched in qflash's
+# cycle is a hook that did not route a served call.
 REPLACED = {
     "_causal_conv1d_update_kernel": "the conv update in the GDN input GEMM's epilogue",
     "fused_sigmoid_gating_delta_rule_update_kernel": "_gdn_verify_kernel",
@@ -61,7 +62,9 @@ REPLACED = {
     "store_kvcache": "block attention's KV store",
     "_fused_mamba_state_scatter_with_mask_kernel": "_gdn_fold_kernel",
     "create_flashinfer_kv_indices_triton": "_verify_metadata_kernel",
-    "at::native::indexSelectSmallIndex": "_embedding_kernel",  # torch's, under SGLang's token embedding
+    # torch's, under SGLang's token embedding and the verify's pick
+    "at::native::indexSelectSmallIndex": "_embedding_kernel",
+    r"at::native::reduce_kernel<\d+, \d+, at::native::ReduceOp<float, at::native::ArgMaxOps": "_row_argmax_tile_kernel",
 }
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # torch profiler chrome-trace categories of GPU work
 # Host spans summed per step: the scheduler's own annotations (one loop iteration is recv, get-next-batch, run,
