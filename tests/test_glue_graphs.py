@@ -370,6 +370,7 @@ def test_a_graphed_cycles_verify_pick_runs_qflashs_row_argmax_and_an_eager_cycle
     picks, ours = [], row_argmax.argmax
     monkeypatch.setattr(row_argmax, "argmax", lambda x: picks.append("qflash") or ours(x))
     logits = torch.randn(2 * 16, cycle_graphs.VOCAB_WIDE, generator=torch.Generator().manual_seed(0))
+    logits = logits.to("cuda" if torch.cuda.is_available() else "cpu")  # where the kernel runs
 
     class PickingWorker(CycleWorker):
         def cycle(self, batch, on_publish=None, grammar_barrier=None):
