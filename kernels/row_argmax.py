@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from qflash.kernels import pdl
-from qflash.kernels.w8a16_argmax import _argmax_pick_kernel
+from qflash.kernels.w8a16_argmax import pick_tiles
 
 
 @triton.jit
@@ -37,8 +37,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if M:
         _row_argmax_tile_kernel[(num_tiles, M)](x, tile_max, tile_idx, N, x.stride(0), num_tiles, **CONFIG,
                                                 **pdl.options(x.device))
-        _argmax_pick_kernel[(M,)](tile_max, tile_idx, out, num_tiles, BLOCK_T=triton.next_power_of_2(num_tiles),
-                                  **pdl.options(x.device))
+        pick_tiles(tile_max, tile_idx, out)
     return out
 
 

@@ -56,9 +56,15 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, config: dict
         grid = (num_tiles, triton.cdiv(M, config["BLOCK_M"]))
         _w8a16_argmax_kernel[grid](x, w, w_scale, tile_max, tile_idx, M, N, K, x.stride(0), w.stride(0),
                                    num_tiles, DOT_DTYPE=DOT_DTYPE, **config, **pdl.options(x.device))
-        _argmax_pick_kernel[(M,)](tile_max, tile_idx, out, num_tiles, BLOCK_T=triton.next_power_of_2(num_tiles),
-                                  **pdl.options(x.device))
+        pick_tiles(tile_max, tile_idx, out)
     return out
+
+
+def pick_tiles(tile_max: torch.Tensor, tile_idx: torch.Tensor, out: torch.Tensor) -> None:
+    """out[m] = the index of row m's first maximum, from its tiles' maxima and their first indices [M, tiles]."""
+    M, num_tiles = tile_max.shape
+    _argmax_pick_kernel[(M,)](tile_max, tile_idx, out, num_tiles, BLOCK_T=triton.next_power_of_2(num_tiles),
+                              **pdl.options(out.device))
 
 
 def pick(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, phase: str = "lm_head",

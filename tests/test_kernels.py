@@ -390,8 +390,9 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
         for config in distinct([*module.CONFIGS.values(), module.DEFAULT]):
             compiled = compile_for_sm90(kernel, pointers, {**config, "DOT_DTYPE": triton.language.bfloat16}, gemm_ints)
             done.append((module.__name__.split(".")[-1], config, "wgmma" in compiled.asm["ptx"]))
-    # the pick over the tiles' maxima of the real vocabulary
-    for tiles in {triton.next_power_of_2(triton.cdiv(shapes.LM_HEAD[1], c["BLOCK_N"])) for c in w8a16_argmax.CONFIGS.values()}:
+    # the pick over the tiles' maxima of the real vocabulary, the fused argmax's and the row argmax's
+    widths = {c["BLOCK_N"] for c in w8a16_argmax.CONFIGS.values()} | {row_argmax.CONFIG["BLOCK_N"]}
+    for tiles in {triton.next_power_of_2(triton.cdiv(shapes.LM_HEAD[1], width)) for width in widths}:
         compile_for_sm90(w8a16_argmax._argmax_pick_kernel, {"max_ptr": "*fp32", "idx_ptr": "*i32", "out_ptr": "*i64"},
                          {"BLOCK_T": tiles})
         done.append(("w8a16_pick", {"BLOCK_T": tiles}, None))
@@ -442,9 +443,6 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
     done.append(("verify_metadata", verify_metadata.CONFIG, None))
     compile_for_sm90(row_argmax._row_argmax_tile_kernel, {"x_ptr": "*fp32", "max_ptr": "*fp32", "idx_ptr": "*i32"},
                      row_argmax.CONFIG, ("N", "stride_xm"))
-    tiles = triton.next_power_of_2(triton.cdiv(shapes.LM_HEAD[1], row_argmax.CONFIG["BLOCK_N"]))
-    compile_for_sm90(w8a16_argmax._argmax_pick_kernel, {"max_ptr": "*fp32", "idx_ptr": "*i32", "out_ptr": "*i64"},
-                     {"BLOCK_T": tiles})
     done.append(("row_argmax", row_argmax.CONFIG, None))
     compile_for_sm90(embedding._embedding_kernel, {"ids_ptr": "*i64", "table_ptr": "*bf16", "out_ptr": "*bf16"},
                      embedding.CONFIG, ("D", "stride_table", "stride_out"))

@@ -18,8 +18,8 @@ cycles of a batch size all do the same GPU work at the same addresses, so a cycl
 - Only greedy batches without penalties, logit bias or custom processors are captured: those change the
   verify's logits from host state per step.
 - The verify's greedy pick, `torch.argmax` over its fp32 logits, runs qflash's row argmax (kernels/row_argmax.py,
-  the same indices) in the cycles the graph holds: `VocabArgmax`, a dispatch mode around the cycle's eager run and
-  its capture (the eager run compiles the kernels outside the capture).
+  the same indices) in the cycles the graph holds: `VocabArgmax`, a dispatch mode around the cycle's graph step
+  (its eager first run compiles the kernels outside the capture).
 Retire when SGLang captures a whole speculative cycle (or several) in one graph.
 """
 
@@ -62,7 +62,8 @@ def run_cycle(cycle, worker, batch, on_publish=None, grammar_barrier=None, graph
         s.seq_lens, s.bonus, s.pool, s.track)
     _drawn[:] = [] if length is None else [length]
     try:
-        result, out_cache_loc = CYCLE.run(key=key, fn=functools.partial(_captured_cycle, cycle, worker, batch))
+        with VocabArgmax():  # the eager run compiles its kernels, the capture records them, a replay runs no op
+            result, out_cache_loc = CYCLE.run(key=key, fn=functools.partial(_captured_cycle, cycle, worker, batch))
     finally:
         _drawn.clear()
         batch.seq_lens, draft_input.bonus_tokens, batch.req_pool_indices, batch.mamba_track_indices = fresh.values()
@@ -99,13 +100,11 @@ def _captured_cycle(cycle, worker, batch):
     """The cycle as a graph holds it: outputs in fresh tensors (the graph's own, when captured), nothing published
     (run_cycle publishes after it); inside a capture, both forwards must have replayed their graphs."""
     if not glue.capturing():
-        with VocabArgmax():
-            return cycle(worker, batch, on_publish=None, grammar_barrier=None), batch.out_cache_loc
+        return cycle(worker, batch, on_publish=None, grammar_barrier=None), batch.out_cache_loc
     rotating = worker._next_accept_bonus_buffers  # SGLang's accept kernel writes every element of these
     worker._next_accept_bonus_buffers = lambda bs: tuple(torch.empty_like(t) for t in rotating(bs))
     try:
-        with VocabArgmax():
-            result = cycle(worker, batch, on_publish=None, grammar_barrier=None)
+        result = cycle(worker, batch, on_publish=None, grammar_barrier=None)
     finally:
         del worker._next_accept_bonus_buffers  # the class's method again
     if glue.embedded() != 2:
