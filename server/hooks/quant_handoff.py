@@ -7,11 +7,12 @@ token in a launch of its own: 156 of a cycle's 170 quantizations follow one of t
 classes marked (quant/handoff.py `mark`), the forward runs qflash's kernel that writes the same output and its
 int8 rows in one launch, and hands the rows to the projections. Unmarked modules (the final norms) and calls the
 fused kernels do not cover keep SGLang's path. Hooked on each class's `forward_cuda` (which each instance binds as
-its forward when SGLang builds the model), the gated norm's `forward`. The target's attention output gate before o_proj is a function (`fused_sigmoid_mul`, in place), not a
-module: the attention layer names itself around its `self_attention` (the layer is marked under "" in the model's
-INT8_HANDOFFS), and the gate called inside a marked layer writes o_proj's int8 rows too. Retire when SGLang's norms,
-activations and gates hand a quantized output to int8 W8A8 linears on CUDA, as its fused allreduce-norm-quant path
-does for fp8 linears on ROCm (`_linear_accepts_fp8_tuple`).
+its forward when SGLang builds the model), the gated norm's `forward`. The target's attention output gate before
+o_proj is a function (`fused_sigmoid_mul`, in place), not a module: the attention layer names itself around its
+`self_attention` (the layer is marked under "" in the model's INT8_HANDOFFS), and the gate called inside a marked
+layer writes o_proj's int8 rows too. Retire when SGLang's norms, activations and gates hand a quantized output to
+int8 W8A8 linears on CUDA, as its fused allreduce-norm-quant path does for fp8 linears on ROCm
+(`_linear_accepts_fp8_tuple`).
 """
 
 import torch

@@ -4,9 +4,10 @@ can beat at M = 16, where every phase reads its weights and states once and its 
 Per cycle: the W8A8 GEMMs read the int8 target body and the drafter's int8 layers; the W8A16 lm_head reads the
 int8 vocabulary matrix for the verify's logits and the fused argmax reads it again for the draft's pick; the
 drafter's bf16 GEMMs read its fc over the target's hidden states and, for the context-KV write, the K|V rows of
-its qkv_proj's bf16 weights (quant/method.py, DrafterQKVMethod); Gated-DeltaNet reads each layer's fp32 state in the verify, reads and writes it in the commit's fold;
-attention reads the KV cache of the context (the target's full-attention layers, the drafter's five sliding and
-one full layer). Norms, quantization, copies and sampling move activations only: no floor to speak of.
+its qkv_proj's bf16 weights (quant/method.py, DrafterQKVMethod); Gated-DeltaNet reads each layer's fp32 state in the
+verify, reads and writes it in the commit's fold; attention reads the KV cache of the context (the target's
+full-attention layers, the drafter's five sliding and one full layer). Norms, quantization, copies and sampling
+move activations only: no floor to speak of.
 """
 
 from qflash.server.preset import DRAFTER_CONFIG
