@@ -116,14 +116,10 @@ class W8A16LMHeadMethod(QuantizeMethodBase):
         return logits if bias is None else logits + bias
 
 
-def greedy_ids(lm_head: torch.nn.Module, hidden: torch.Tensor, num_org: int,
-               out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Greedy token ids over the first `num_org` rows of an int8 lm_head, without writing logits (into `out`, when
-    given)."""
+def greedy_ids(lm_head: torch.nn.Module, hidden: torch.Tensor, num_org: int) -> torch.Tensor:
+    """Greedy token ids over the first `num_org` rows of an int8 lm_head, without writing logits."""
     weight, scale = lm_head.weight[:num_org], lm_head.weight_scale[:num_org]
-    if out is None:
-        return torch.ops.qflash.w8a16_argmax(hidden.to(torch.bfloat16), weight, scale, "lm_head")
-    return w8a16_argmax.pick(hidden.to(torch.bfloat16), weight, scale, "lm_head", out)
+    return torch.ops.qflash.w8a16_argmax(hidden.to(torch.bfloat16), weight, scale, "lm_head")
 
 
 def runs_w8a8(linear: Any) -> bool:

@@ -58,7 +58,7 @@ if [ "${TUNE:-0}" = 1 ]; then
   # shellcheck disable=SC2086
   timeout "$(within "${TUNE_TIMEOUT:-330}")" python3 -m qflash.server.cli tune ${TUNE_ARGS:-} > "$OUT/tune.log" 2>&1 || status=1
   grep -E "wrote|tuned in" "$OUT/tune.log"
-  cp kernels/w8a8_gemm.py kernels/w8a16_gemm.py kernels/w8a16_argmax.py "$OUT/"
+  cp kernels/w8a8_gemm.py kernels/w8a16_gemm.py kernels/w8a16_argmax.py kernels/w4_draft_pick.py "$OUT/"
   pack
 fi
 

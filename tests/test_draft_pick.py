@@ -1,5 +1,5 @@
-"""DFlash's draft pick over the int8 lm_head (server/hooks/draft_pick.py), with the fused W8A16 argmax (on the CPU
-in Triton's interpreter): each block's positions 1..K-1 are the drafts; position 0 is the bonus token."""
+"""DFlash's draft pick over the int8 lm_head (server/hooks/draft_pick.py), from its 4-bit copy (on the CPU in
+Triton's interpreter): each block's positions 1..K-1 are the drafts; position 0 is the bonus token."""
 
 from types import SimpleNamespace
 
@@ -8,7 +8,7 @@ import torch
 from qflash.server.hooks.draft_pick import Int8HeadDraftSampler
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-K, BATCH, VOCAB, HIDDEN = 16, 2, 48, 48
+K, BATCH, VOCAB, HIDDEN = 16, 2, 48, 128  # the 4-bit copy's rows: whole groups of 128 columns
 
 
 def test_each_block_drafts_from_its_positions_1_to_k_minus_1():
@@ -26,13 +26,14 @@ def test_each_block_drafts_from_its_positions_1_to_k_minus_1():
 
 
 def test_one_block_is_picked_into_the_samplers_buffer_by_the_kernels_alone(monkeypatch):
-    """In the draft graph every torch op around the fused argmax's kernels is a launch of its own: the ids go
-    straight into the sampler's buffer (the kernels themselves: test_each_block_drafts_from_its_positions_1_to_k_minus_1)."""
+    """In the draft graph every torch op around the pick's kernels is a launch of its own: the ids go straight into
+    the sampler's buffer (the kernels themselves: test_each_block_drafts_from_its_positions_1_to_k_minus_1)."""
     from conftest import Dispatched
-    from qflash.kernels import w8a16_argmax
+    from qflash.kernels import w4_draft_pick
 
     written = []
-    monkeypatch.setattr(w8a16_argmax, "launch", lambda x, w, w_scale, config, out=None: written.append(out) or out)
+    monkeypatch.setattr(w4_draft_pick, "launch",
+                        lambda x, w4, amax, w, w_scale, config, out=None: written.append(out) or out)
     head = SimpleNamespace(weight=torch.zeros(VOCAB, HIDDEN, dtype=torch.int8, device=DEVICE),
                            weight_scale=torch.ones(VOCAB, device=DEVICE),
                            shard_indices=SimpleNamespace(num_org_elements=VOCAB))

@@ -18,8 +18,8 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 from qflash.kernels import (block_attention, commit_steps, config_table, conv_update, embedding, gdn_verify,
-                            per_token_quant, row_argmax, sigmoid_mul_quant, verify_metadata, w8a16_argmax, w8a16_gemm,
-                            w8a8_gemm)
+                            per_token_quant, row_argmax, sigmoid_mul_quant, verify_metadata, w4_draft_pick,
+                            w8a16_argmax, w8a16_gemm, w8a8_gemm)
 from qflash.server.tools import shapes
 from qflash.server import preset
 from conftest import REPO, run_python
@@ -317,10 +317,10 @@ def test_bench_kernels_table_renders():
            "int_mm_us": None, "sglang_int8_us": 12.0, "qflash_us": 8.0, "qflash_weight_gbps": 2949.1,
            "qflash_tops": 94.4, "vs_sglang": 1.5}
     head = {"M": 16, "cublas_bf16_us": 300.0, "w8a16_us": 170.0, "w8a16_weight_gbps": 3741.0,
-            "w8a16_then_argmax_us": 190.0, "fused_argmax_us": 160.0}
+            "w8a16_then_argmax_us": 190.0, "fused_argmax_us": 160.0, "draft_pick_us": 90.0}
     table = render([row], [head], {"sglang_us": 1200.0, "qflash_us": 800.0, "worst_vs_sglang": 1.5})
     assert "| verify | mlp.down_proj | 16 | 2560x9216 | 14.0 | - | 12.0 | 8.0 | 2949 (69%) | 94 | 1.50x |" in table
-    assert "| 16 | 300.0 | 170.0 | 87% | 190.0 | 160.0 |" in table
+    assert "| 16 | 300.0 | 170.0 | 87% | 190.0 | 160.0 | 90.0 |" in table
     assert "SGLang int8 1200 us, qflash 800 us (1.50x)" in table
     table = render([row], [head], {"sglang_us": 1200.0, "qflash_us": 800.0, "worst_vs_sglang": 1.5}, "NVIDIA H100 80GB HBM3")
     assert "(% of the H100's 3.0 TB/s)" in table and "| 2949 (98%) |" in table  # the card's own copy rate
@@ -390,6 +390,15 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
         for config in distinct([*module.CONFIGS.values(), module.DEFAULT]):
             compiled = compile_for_sm90(kernel, pointers, {**config, "DOT_DTYPE": triton.language.bfloat16}, gemm_ints)
             done.append((module.__name__.split(".")[-1], config, "wgmma" in compiled.asm["ptx"]))
+    for config in distinct([*w4_draft_pick.CONFIGS.values(), w4_draft_pick.DEFAULT]):
+        compile_for_sm90(w4_draft_pick._w4_scan_kernel, {**pointers, "w_ptr": "*u8", "amax_ptr": "*u8"},
+                         {**config, "DOT_DTYPE": triton.language.bfloat16, "NIBBLE_ASM": True,
+                          "GROUP": w4_draft_pick.GROUP}, (*gemm_ints, "stride_amax"))
+        done.append(("w4_draft_pick", config, None))
+        tiles = triton.next_power_of_2(triton.cdiv(shapes.LM_HEAD[1], config["BLOCK_N"]))
+        compile_for_sm90(w4_draft_pick._w4_rescore_kernel, {**pointers, "out_ptr": "*i64"},
+                         {"FINALISTS": w4_draft_pick.FINALISTS, "BLOCK_T": tiles,
+                          "BLOCK_K": triton.next_power_of_2(shapes.LM_HEAD[2]), "num_warps": 4}, gemm_ints)
     # the pick over the tiles' maxima of the real vocabulary, the fused argmax's and the row argmax's
     widths = {c["BLOCK_N"] for c in w8a16_argmax.CONFIGS.values()} | {row_argmax.CONFIG["BLOCK_N"]}
     for tiles in {triton.next_power_of_2(triton.cdiv(shapes.LM_HEAD[1], width)) for width in widths}:
@@ -458,6 +467,7 @@ def test_every_table_config_compiles_for_sm90():
     assert result.returncode == 0, result.stderr[-3000:]
     done = json.loads(result.stdout.strip().splitlines()[-1])
     tables = [*w8a8_gemm.CONFIGS.values(), *w8a16_gemm.CONFIGS.values(), *w8a16_argmax.CONFIGS.values(),
+              *w4_draft_pick.CONFIGS.values(),
               *block_attention.CONFIGS.values(), *gdn_verify.VERIFY_CONFIGS.values(), *gdn_verify.FOLD_CONFIGS.values()]
     assert all(c in [d[1] for d in done] for c in tables)
     # int8 tiles of 64+ rows use Hopper's wgmma; decode tiles of 16-32 rows use mma.sync.

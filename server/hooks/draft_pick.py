@@ -3,8 +3,10 @@
 SGLang picks each draft token by multiplying the drafter's hidden states with `lm_head.weight` directly: in the
 draft CUDA graph (`_DflashDraftSampler`, which declines a non-float head) or eagerly
 (`_greedy_sample_from_vocab_parallel_head`, which would run that matmul on int8 weights). For qflash's int8 head
-both become the fused W8A16 argmax (kernels/w8a16_argmax.py), which never writes the logits; the in-graph one is
-folded into the draft graph the way SGLang folds its own.
+neither writes the logits. The in-graph pick, every cycle's, scans a 4-bit copy of the head and scores its finalists
+on the int8 rows (kernels/w4_draft_pick.py: half the bytes of the int8 head, the same pick but for near ties, which
+move only what the verify accepts, never what it emits); it is folded into the draft graph the way SGLang folds its
+own. The eager one, for batches no graph holds, is the fused W8A16 argmax over the int8 head (kernels/w8a16_argmax.py).
 Retire when SGLang's DFlash draft pick goes through the lm_head's quantization method.
 """
 
@@ -12,6 +14,7 @@ import logging
 
 import torch
 
+from qflash.kernels import w4_draft_pick
 from qflash.server.hooks import Hook
 
 logger = logging.getLogger(__name__)
@@ -19,19 +22,21 @@ logger = logging.getLogger(__name__)
 
 class Int8HeadDraftSampler:
     """SGLang's `_DflashDraftSampler` interface: called in the draft graph with the block's hidden states
-    [bs * K, hidden], writes the proposed ids of block positions 1..K-1 (position 0 is the bonus token) into `out`."""
+    [bs * K, hidden], writes the proposed ids of block positions 1..K-1 (position 0 is the bonus token) into `out`.
+    Holds the 4-bit copy of the head's vocabulary rows that its pick scans (made once, here)."""
 
     def __init__(self, lm_head, block_size: int, max_bs: int):
-        from qflash.quant.method import greedy_ids
-
-        self.greedy_ids, self.lm_head, self.block_size = greedy_ids, lm_head, int(block_size)
-        self.num_org = int(lm_head.shard_indices.num_org_elements)
+        num_org = int(lm_head.shard_indices.num_org_elements)
+        self.weight, self.scale = lm_head.weight[:num_org], lm_head.weight_scale[:num_org]
+        self.w4, self.amax = w4_draft_pick.quantize(self.weight)
+        self.block_size = int(block_size)
         self.out = torch.empty((max_bs * (self.block_size - 1),), dtype=torch.int64, device=lm_head.weight.device)
 
     def __call__(self, hidden_states: torch.Tensor, input_ids=None) -> None:
         width = hidden_states.shape[-1]
         drafts = hidden_states.view(-1, self.block_size, width)[:, 1:, :].reshape(-1, width)
-        self.greedy_ids(self.lm_head, drafts, self.num_org, out=self.out[: drafts.shape[0]])
+        w4_draft_pick.pick(drafts.to(torch.bfloat16), self.w4, self.amax, self.weight, self.scale,
+                           out=self.out[: drafts.shape[0]])
 
 
 def _draft_sampler(original, self):
@@ -45,7 +50,8 @@ def _draft_sampler(original, self):
         return original(self)
     if get_tp_group().world_size != 1:
         raise NotImplementedError("qflash's int8 lm_head serves on one GPU (tensor parallel size 1)")
-    logger.info("qflash: DFLASH draft pick in the draft graph is the fused W8A16 argmax over the int8 lm_head")
+    logger.info("qflash: DFLASH draft pick in the draft graph scans a 4-bit copy of the int8 lm_head, its finalists "
+                "scored on the int8 rows")
     return Int8HeadDraftSampler(lm_head, self.block_size, max(get_exec().graph.cuda_graph_config.decode.bs))
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import orjson
 import torch
 
-from qflash.kernels import gdn_prefill
+from qflash.kernels import gdn_prefill, w4_draft_pick
 from qflash.kernels.config_table import DECODE_M, PREFILL_M
 from qflash.kernels.flash_prefill import flash_prefill
 from qflash.kernels.per_token_quant import per_token_quant
@@ -71,10 +71,12 @@ def lm_head_row(m: int) -> dict:
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda")
     w_scale = torch.rand(n, device="cuda") / (127 * k ** 0.5) + 1e-6
     w_bf16 = (w.float() * w_scale[:, None]).to(torch.bfloat16)
+    w4, amax = w4_draft_pick.quantize(w)
     row = {"M": m, "cublas_bf16_us": time_us(lambda: x @ w_bf16.t()),
            "w8a16_us": time_us(lambda: w8a16_gemm(x, w, w_scale, "lm_head")),
            "w8a16_then_argmax_us": time_us(lambda: w8a16_gemm(x, w, w_scale, "lm_head").argmax(-1)),
-           "fused_argmax_us": time_us(lambda: w8a16_argmax(x, w, w_scale, "lm_head"))}
+           "fused_argmax_us": time_us(lambda: w8a16_argmax(x, w, w_scale, "lm_head")),
+           "draft_pick_us": time_us(lambda: w4_draft_pick.pick(x, w4, amax, w, w_scale))}
     row["w8a16_weight_gbps"] = n * k / row["w8a16_us"] / 1e3
     return row
 
@@ -217,10 +219,11 @@ def render(gemms: list[dict], heads: list[dict], step: dict, device_name: str = 
         out.append(f"| {r['phase']} | {r['gemm']} | {r['M']} | {r['N']}x{r['K']} | {_f(r['cublas_bf16_us'])} | {_f(r['int_mm_us'])} "
                    f"| {_f(r['sglang_int8_us'])} | {_f(r['qflash_us'])} | {r['qflash_weight_gbps']:.0f} ({r['qflash_weight_gbps'] / tbps / 10:.0f}%) "
                    f"| {r['qflash_tops']:.0f} | {_f(r['vs_sglang'], '.2f')}x |")
-    out += ["", "| lm_head M | cuBLAS bf16 us | W8A16 us | W8A16 % of HBM | W8A16 + torch.argmax us | fused argmax us |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    out += ["", "| lm_head M | cuBLAS bf16 us | W8A16 us | W8A16 % of HBM | W8A16 + torch.argmax us | fused argmax us "
+                "| 4-bit draft pick us |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     out += [f"| {h['M']} | {_f(h['cublas_bf16_us'])} | {_f(h['w8a16_us'])} | {h['w8a16_weight_gbps'] / tbps / 10:.0f}% "
-            f"| {_f(h['w8a16_then_argmax_us'])} | {_f(h['fused_argmax_us'])} |" for h in heads]
+            f"| {_f(h['w8a16_then_argmax_us'])} | {_f(h['fused_argmax_us'])} | {_f(h['draft_pick_us'])} |" for h in heads]
     out += ["", f"One target verify step at M = 16, all {sum(TARGET_COUNT.values())} body GEMMs: "
             f"SGLang int8 {step['sglang_us']:.0f} us, qflash {step['qflash_us']:.0f} us ({step['sglang_us'] / step['qflash_us']:.2f}x); "
             f"worst qflash/SGLang ratio over all rows {step['worst_vs_sglang']:.2f}x."]

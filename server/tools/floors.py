@@ -2,14 +2,15 @@
 can beat at M = 16, where every phase reads its weights and states once and its activations are kilobytes.
 
 Per cycle: the W8A8 GEMMs read the int8 target body and the drafter's int8 layers; the W8A16 lm_head reads the
-int8 vocabulary matrix for the verify's logits and the fused argmax reads it again for the draft's pick; the
-drafter's bf16 GEMMs read its fc over the target's hidden states and, for the context-KV write, the K|V rows of
+int8 vocabulary matrix for the verify's logits, and the draft's pick reads its 4-bit copy (kernels/w4_draft_pick.py);
+the drafter's bf16 GEMMs read its fc over the target's hidden states and, for the context-KV write, the K|V rows of
 its qkv_proj's bf16 weights (quant/method.py, DrafterQKVMethod); Gated-DeltaNet reads each layer's fp32 state in the
 verify, reads and writes it in the commit's fold; attention reads the KV cache of the context (the target's
 full-attention layers, the drafter's five sliding and one full layer). Norms, quantization, copies and sampling
 move activations only: no floor to speak of.
 """
 
+from qflash.kernels import w4_draft_pick
 from qflash.server.preset import DRAFTER_CONFIG
 from qflash.server.tools.shapes import (ATTENTION_HEADS, ATTENTION_LAYERS, DRAFTER, GDN_HEADS, GDN_LAYERS, HIDDEN,
                                         LM_HEAD, TARGET, TARGET_COUNT)
@@ -40,7 +41,7 @@ def _bytes_per_cycle(context: int) -> dict[str, float]:
         "qflash W8A8 GEMM": sum(n * k * TARGET_COUNT[name] for name, n, k in TARGET)
                             + drafter_layers * sum(n * k for _, n, k in DRAFTER),
         "qflash W8A16 lm_head": LM_HEAD[1] * LM_HEAD[2],
-        "qflash fused argmax": LM_HEAD[1] * LM_HEAD[2],
+        "qflash draft pick": LM_HEAD[1] * LM_HEAD[2] // 2 + LM_HEAD[1] * LM_HEAD[2] // w4_draft_pick.GROUP,
         "bf16 GEMM (cuBLAS / CUTLASS)": 2 * (drafter_layers * drafter_kv_rows + drafter_fc),
         "Gated-DeltaNet": 3 * GDN_LAYERS * value_heads * head_dim * head_dim * 4,
         "attention": ATTENTION_LAYERS * context * 2 * kv_heads * attention_dim * 2

@@ -34,7 +34,7 @@ FAMILIES = [
     ("qflash W8A8 GEMM", r"_w8a8_gemm_kernel"),
     ("qflash per-token quant", r"_per_token_quant_kernel"),
     ("qflash W8A16 lm_head", r"_w8a16_gemm_kernel"),
-    ("qflash fused argmax", r"_w8a16_argmax_kernel"),
+    ("qflash draft pick", r"_w4_scan_kernel|_w4_rescore_kernel|_w8a16_argmax_kernel"),
     ("stock int8 GEMM + quant", r"int8|_per_token_quant_int8|i8i8|s8"),
     ("bf16 GEMM (cuBLAS / CUTLASS)", r"gemm|cutlass|nvjet|xmma|sm90_|ampere_|cublas"),
     ("Gated-DeltaNet", r"gated_delta|delta_rule|fused_recurrent|chunk_|gdn|conv1d|causal_conv|conv_update|mamba|fused_gdn"),

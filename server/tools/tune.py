@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from qflash.kernels import conv_update, w8a16_argmax, w8a16_gemm, w8a8_gemm
+from qflash.kernels import conv_update, w4_draft_pick, w8a16_argmax, w8a16_gemm, w8a8_gemm
 from qflash.kernels.config_table import DECODE_M, DECODE_MAX_M, PHASES, PREFILL_M
 from qflash.server.launcher import require_gpu
 from qflash.server.preset import BLOCK_SIZE
@@ -40,6 +40,11 @@ def w8a16_candidates(m: int, group: bool = True) -> list[dict]:
     extra = {"GROUP_M": 1} if group else {}
     return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **extra, num_warps=w, num_stages=s)
             for bn in (64, 128) for bk in (128, 256) for w, s in ((4, 4), (8, 3))]
+
+
+def w4_candidates(m: int) -> list[dict]:
+    return [dict(BLOCK_M=max(m, 16), BLOCK_N=bn, num_warps=w, num_stages=s)
+            for bn in (128, 256) for w, s in ((4, 3), (4, 4), (8, 3), (8, 4))]
 
 
 def best_config(time_us, candidates: list[dict]) -> tuple[dict, float]:
@@ -108,15 +113,15 @@ def tune_w8a8(rows: tuple) -> dict:
     return table
 
 
-def tune_lm_head(module, group: bool, rows: tuple) -> dict:
+def tune_head(module, phase: str, rows: tuple, candidates, launch, bytes_read: int) -> dict:
+    """A kernel over the lm_head's shape: `launch(x, config)`, timed cold at each decode bucket in `rows`."""
     table = {}
     name, n, k = LM_HEAD
-    w, w_scale = int8_weight(n, k)
     for m in (m for m in DECODE_M if m in rows):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        cfg, us = best_config(lambda c: cold_us(lambda: module.launch(x, w, w_scale, c)), w8a16_candidates(m, group))
-        table[("lm_head", m, n, k)] = cfg
-        print(f"{module.__name__.split('.')[-1]} M={m:4} {us:9.1f} us  {n * k / us / 1e3:7.0f} GB/s  {cfg}", flush=True)
+        cfg, us = best_config(lambda c: cold_us(lambda: launch(x, c)), candidates(m))
+        table[(phase, m, n, k)] = cfg
+        print(f"{module.__name__.split('.')[-1]} M={m:4} {us:9.1f} us  {bytes_read / us / 1e3:7.0f} GB/s  {cfg}", flush=True)
     return table
 
 
@@ -150,9 +155,19 @@ def run(args, extra) -> int:
     machine = f"{torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))})"
     start = time.monotonic()
     rows = tuple(args.rows)
-    for module, tune in ((w8a8_gemm, lambda: tune_w8a8(rows)),
-                         (w8a16_gemm, lambda: tune_lm_head(w8a16_gemm, True, rows)),
-                         (w8a16_argmax, lambda: tune_lm_head(w8a16_argmax, False, rows))):
+    n, k = LM_HEAD[1:]
+    head = int8_weight(n, k)
+    copy = w4_draft_pick.quantize(head[0])
+    for module, tune in (
+            (w8a8_gemm, lambda: tune_w8a8(rows)),
+            (w8a16_gemm, lambda: tune_head(w8a16_gemm, "lm_head", rows, functools.partial(w8a16_candidates, group=True),
+                                           lambda x, c: w8a16_gemm.launch(x, *head, c), n * k)),
+            (w8a16_argmax, lambda: tune_head(w8a16_argmax, "lm_head", rows,
+                                             functools.partial(w8a16_candidates, group=False),
+                                             lambda x, c: w8a16_argmax.launch(x, *head, c), n * k)),
+            (w4_draft_pick, lambda: tune_head(w4_draft_pick, "draft", rows, w4_candidates,
+                                              lambda x, c: w4_draft_pick.launch(x, *copy, *head, c),
+                                              copy[0].numel() + copy[1].numel()))):
         table = {**module.CONFIGS, **tune()}  # the buckets not tuned keep their entries
         write(module.__file__, table, machine)  # each table as soon as it is done
         print(f"wrote {len(table)} configs to {module.__file__}", flush=True)
