@@ -23,6 +23,9 @@ from qflash.kernels.w8a16_gemm import DOT_DTYPE
 GROUP = 128  # columns that share one 4-bit step
 ROW_TILE = 256  # the copy's rows are padded to a multiple of this (every BLOCK_N divides it): loads need no mask
 FINALISTS = 4  # tiles whose leaders are scored on the int8 rows
+# The draft blocks of up to two requests. At 120 rows (eight) the scan is bound by its tensor-core work, as the fused
+# int8 argmax is, and its decoding makes it the slower of the two (BENCHMARKS.md, 2026-12-06): more rows take that one.
+MAX_ROWS = 32
 NIBBLE_ASM = os.environ.get("TRITON_INTERPRET") != "1"  # the interpreter runs no inline assembly
 
 
@@ -172,11 +175,9 @@ def pick(x: torch.Tensor, w4: torch.Tensor, amax: torch.Tensor, w: torch.Tensor,
     return launch(x, w4, amax, w, w_scale, config_table.lookup(CONFIGS, "draft", M, w.shape[0], K, DEFAULT), out)
 
 
-DEFAULT = dict(BLOCK_M=16, BLOCK_N=256, num_warps=4, num_stages=4)
-# Tuned on no GPU yet: each bucket's rows in one tile (the copy is read once), the columns and pipeline set by hand.
+DEFAULT = dict(BLOCK_M=16, BLOCK_N=128, num_warps=4, num_stages=3)
+# Tuned on NVIDIA H100 80GB HBM3 (sm90), 16 rows; 32 rows set by hand (BENCHMARKS.md, 2026-12-06).
 CONFIGS = {
-    ('draft', 16, 248320, 2560): dict(BLOCK_M=16, BLOCK_N=256, num_warps=4, num_stages=4),
+    ('draft', 16, 248320, 2560): dict(BLOCK_M=16, BLOCK_N=128, num_warps=4, num_stages=3),
     ('draft', 32, 248320, 2560): dict(BLOCK_M=32, BLOCK_N=256, num_warps=4, num_stages=4),
-    ('draft', 64, 248320, 2560): dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3),
-    ('draft', 128, 248320, 2560): dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
 }

@@ -257,6 +257,7 @@ CONFIGS = {
     ('verify', 128, 18432, 2560): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
     ('draft', 16, 2560, 4096): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('draft', 16, 2560, 9216): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=2, num_warps=4, num_stages=4),
+    ('draft', 16, 6144, 2560): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
     ('draft', 16, 18432, 2560): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
     ('draft', 32, 2560, 4096): dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('draft', 32, 2560, 9216): dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),

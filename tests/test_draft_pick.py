@@ -43,3 +43,19 @@ def test_one_block_is_picked_into_the_samplers_buffer_by_the_kernels_alone(monke
         sampler(hidden)
     assert written[0].data_ptr() == sampler.out.data_ptr() and written[0].shape == (K - 1,)
     assert ops.names() <= {"view", "slice", "reshape", "_reshape_alias", "alias"}, ops.names()  # no launch among them
+
+
+def test_up_to_max_rows_the_pick_scans_the_4_bit_copy_and_more_rows_pick_on_the_int8_head(monkeypatch):
+    from qflash.kernels import w4_draft_pick, w8a16_argmax
+
+    picked = []
+    monkeypatch.setattr(w4_draft_pick, "launch", lambda x, *args, out=None: picked.append(("4-bit", x.shape[0])))
+    monkeypatch.setattr(w8a16_argmax, "launch", lambda x, *args, out=None: picked.append(("int8", x.shape[0])))
+    head = SimpleNamespace(weight=torch.zeros(VOCAB, HIDDEN, dtype=torch.int8, device=DEVICE),
+                           weight_scale=torch.ones(VOCAB, device=DEVICE),
+                           shard_indices=SimpleNamespace(num_org_elements=VOCAB))
+    sampler = Int8HeadDraftSampler(head, K, max_bs=4)
+    for blocks in (1, 2, 3):
+        sampler(torch.zeros(blocks * K, HIDDEN, dtype=torch.bfloat16, device=DEVICE))
+    assert 2 * (K - 1) <= w4_draft_pick.MAX_ROWS < 3 * (K - 1)  # the blocks of two requests, not of three
+    assert picked == [("4-bit", K - 1), ("4-bit", 2 * (K - 1)), ("int8", 3 * (K - 1))]

@@ -254,6 +254,7 @@ def test_tuning_some_row_buckets_keeps_the_tables_other_entries(monkeypatch):
     monkeypatch.setattr(tune, "w8a8_timer", lambda m, n, k, gemm: (m, n, k, gemm))
     monkeypatch.setattr(tune, "gdn_input_verify", lambda m: f"the GDN input GEMM of {m} rows, its conv in a verify")
     monkeypatch.setattr(tune, "int8_weight", lambda n, k: (None, None))
+    monkeypatch.setattr(tune.w4_draft_pick, "quantize", lambda w: (torch.empty(0), torch.empty(0)))
     monkeypatch.setattr(tune.torch, "randn", lambda *shape, **kw: None)
     monkeypatch.setattr(tune, "best_config", lambda timer, candidates: (jobs.append(timer) or {"new": True}, 1.0))
     monkeypatch.setattr(tune, "write", lambda path, table, machine: written.update({Path(path).stem: table}))
@@ -265,7 +266,7 @@ def test_tuning_some_row_buckets_keeps_the_tables_other_entries(monkeypatch):
     assert [timer[3] for timer in jobs if isinstance(timer, tuple) and timer[1] == in_proj] == [
         "the GDN input GEMM of 16 rows, its conv in a verify"]
     assert gemms.count(w8a8_gemm.launch) == len(gemms) - 1
-    for module in (w8a8_gemm, w8a16_gemm, w8a16_argmax):
+    for module in (w8a8_gemm, w8a16_gemm, w8a16_argmax, w4_draft_pick):
         table = written[Path(module.__file__).stem]
         assert table.keys() >= module.CONFIGS.keys()
         assert all((c == {"new": True}) == (key[1] == 16) for key, c in table.items())

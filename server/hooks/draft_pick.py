@@ -5,8 +5,9 @@ draft CUDA graph (`_DflashDraftSampler`, which declines a non-float head) or eag
 (`_greedy_sample_from_vocab_parallel_head`, which would run that matmul on int8 weights). For qflash's int8 head
 neither writes the logits. The in-graph pick, every cycle's, scans a 4-bit copy of the head and scores its finalists
 on the int8 rows (kernels/w4_draft_pick.py: half the bytes of the int8 head, the same pick but for near ties, which
-move only what the verify accepts, never what it emits); it is folded into the draft graph the way SGLang folds its
-own. The eager one, for batches no graph holds, is the fused W8A16 argmax over the int8 head (kernels/w8a16_argmax.py).
+move only what the verify accepts, never what it emits) for the blocks of one or two requests; it is folded into the
+draft graph the way SGLang folds its own. Larger batches, and the eager pick for batches no graph holds, take the fused
+W8A16 argmax over the int8 head (kernels/w8a16_argmax.py).
 Retire when SGLang's DFlash draft pick goes through the lm_head's quantization method.
 """
 
@@ -14,7 +15,7 @@ import logging
 
 import torch
 
-from qflash.kernels import w4_draft_pick
+from qflash.kernels import w4_draft_pick, w8a16_argmax
 from qflash.server.hooks import Hook
 
 logger = logging.getLogger(__name__)
@@ -23,7 +24,8 @@ logger = logging.getLogger(__name__)
 class Int8HeadDraftSampler:
     """SGLang's `_DflashDraftSampler` interface: called in the draft graph with the block's hidden states
     [bs * K, hidden], writes the proposed ids of block positions 1..K-1 (position 0 is the bonus token) into `out`.
-    Holds the 4-bit copy of the head's vocabulary rows that its pick scans (made once, here)."""
+    Holds the 4-bit copy of the head's vocabulary rows that its pick scans (made once, here); a batch of more than
+    w4_draft_pick.MAX_ROWS rows picks on the int8 head instead, where that is the faster."""
 
     def __init__(self, lm_head, block_size: int, max_bs: int):
         num_org = int(lm_head.shard_indices.num_org_elements)
@@ -34,9 +36,12 @@ class Int8HeadDraftSampler:
 
     def __call__(self, hidden_states: torch.Tensor, input_ids=None) -> None:
         width = hidden_states.shape[-1]
-        drafts = hidden_states.view(-1, self.block_size, width)[:, 1:, :].reshape(-1, width)
-        w4_draft_pick.pick(drafts.to(torch.bfloat16), self.w4, self.amax, self.weight, self.scale,
-                           out=self.out[: drafts.shape[0]])
+        drafts = hidden_states.view(-1, self.block_size, width)[:, 1:, :].reshape(-1, width).to(torch.bfloat16)
+        out = self.out[: drafts.shape[0]]
+        if drafts.shape[0] <= w4_draft_pick.MAX_ROWS:
+            w4_draft_pick.pick(drafts, self.w4, self.amax, self.weight, self.scale, out=out)
+        else:
+            w8a16_argmax.pick(drafts, self.weight, self.scale, "lm_head", out)
 
 
 def _draft_sampler(original, self):

@@ -125,6 +125,13 @@ def tune_head(module, phase: str, rows: tuple, candidates, launch, bytes_read: i
     return table
 
 
+def tune_draft_pick(rows: tuple, head: tuple) -> dict:
+    """The 4-bit draft pick over the copy of `head` (int8 weights, scales), at the buckets it serves."""
+    copy = w4_draft_pick.quantize(head[0])
+    return tune_head(w4_draft_pick, "draft", tuple(m for m in rows if m <= w4_draft_pick.MAX_ROWS), w4_candidates,
+                     lambda x, c: w4_draft_pick.launch(x, *copy, *head, c), copy[0].numel() + copy[1].numel())
+
+
 def render(table: dict, machine: str) -> str:
     """The `CONFIGS = {...}` source block, one sorted line per key."""
     lines = [f"# Tuned on {machine} by `qflash tune`: (phase, M bucket, N, K) -> launch config.", "CONFIGS = {"]
@@ -157,7 +164,6 @@ def run(args, extra) -> int:
     rows = tuple(args.rows)
     n, k = LM_HEAD[1:]
     head = int8_weight(n, k)
-    copy = w4_draft_pick.quantize(head[0])
     for module, tune in (
             (w8a8_gemm, lambda: tune_w8a8(rows)),
             (w8a16_gemm, lambda: tune_head(w8a16_gemm, "lm_head", rows, functools.partial(w8a16_candidates, group=True),
@@ -165,9 +171,7 @@ def run(args, extra) -> int:
             (w8a16_argmax, lambda: tune_head(w8a16_argmax, "lm_head", rows,
                                              functools.partial(w8a16_candidates, group=False),
                                              lambda x, c: w8a16_argmax.launch(x, *head, c), n * k)),
-            (w4_draft_pick, lambda: tune_head(w4_draft_pick, "draft", rows, w4_candidates,
-                                              lambda x, c: w4_draft_pick.launch(x, *copy, *head, c),
-                                              copy[0].numel() + copy[1].numel()))):
+            (w4_draft_pick, lambda: tune_draft_pick(rows, head))):
         table = {**module.CONFIGS, **tune()}  # the buckets not tuned keep their entries
         write(module.__file__, table, machine)  # each table as soon as it is done
         print(f"wrote {len(table)} configs to {module.__file__}", flush=True)
