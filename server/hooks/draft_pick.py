@@ -55,8 +55,8 @@ def _draft_sampler(original, self):
         return original(self)
     if get_tp_group().world_size != 1:
         raise NotImplementedError("qflash's int8 lm_head serves on one GPU (tensor parallel size 1)")
-    logger.info("qflash: DFLASH draft pick in the draft graph scans a 4-bit copy of the int8 lm_head, its finalists "
-                "scored on the int8 rows")
+    logger.info("qflash: DFLASH draft pick in the draft graph scans a 4-bit copy of the int8 lm_head up to %d rows "
+                "(its finalists scored on the int8 rows), the fused W8A16 argmax beyond", w4_draft_pick.MAX_ROWS)
     return Int8HeadDraftSampler(lm_head, self.block_size, max(get_exec().graph.cuda_graph_config.decode.bs))
 
 
