@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from qflash.kernels import pdl
-from qflash.kernels.w8a16_argmax import pick_tiles
+from qflash.kernels.w8a16_argmax import pick_tiles, tiles
 
 
 @triton.jit
@@ -31,8 +31,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """x fp32 [M, N] with unit stride in N -> int64 [M]: torch.argmax(x, dim=-1)."""
     M, N = x.shape
     num_tiles = triton.cdiv(N, CONFIG["BLOCK_N"])
-    tile_max = torch.empty((M, num_tiles), dtype=torch.float32, device=x.device)
-    tile_idx = torch.empty((M, num_tiles), dtype=torch.int32, device=x.device)
+    tile_max, tile_idx = tiles(M, num_tiles, x.device)
     out = torch.empty((M,), dtype=torch.int64, device=x.device)
     if M:
         _row_argmax_tile_kernel[(num_tiles, M)](x, tile_max, tile_idx, N, x.stride(0), num_tiles, **CONFIG,

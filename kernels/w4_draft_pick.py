@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from qflash.kernels import config_table, pdl
+from qflash.kernels.w8a16_argmax import tiles
 from qflash.kernels.w8a16_gemm import DOT_DTYPE
 
 GROUP = 128  # columns that share one 4-bit step
@@ -63,9 +64,8 @@ def _nibbles(packed, DOT_DTYPE: tl.constexpr, NIBBLE_ASM: tl.constexpr):
 
 @triton.jit
 def _w4_scan_kernel(x_ptr, w_ptr, amax_ptr, w_scale_ptr, max_ptr, idx_ptr, M, N, K, stride_xm, stride_wn, stride_amax,
-                    num_tiles,
-                    DOT_DTYPE: tl.constexpr, NIBBLE_ASM: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+                    num_tiles, DOT_DTYPE: tl.constexpr, NIBBLE_ASM: tl.constexpr, GROUP: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     # One [BLOCK_M, BLOCK_N] tile of x @ w4^T (each group's nibbles times its step), its row maxima and first indices.
     pdl.enter(PDL)
     pid_n = tl.program_id(0)
@@ -141,8 +141,7 @@ def scan(x: torch.Tensor, w4: torch.Tensor, amax: torch.Tensor, w_scale: torch.T
         raise ValueError(f"not `quantize`'s copy of [{n}, {K}] int8 rows for BLOCK_N {config['BLOCK_N']}: "
                          f"{tuple(w4.shape)}")
     num_tiles = w4.shape[0] // config["BLOCK_N"]
-    tile_max = torch.empty((M, num_tiles), dtype=torch.float32, device=x.device)
-    tile_idx = torch.empty((M, num_tiles), dtype=torch.int32, device=x.device)
+    tile_max, tile_idx = tiles(M, num_tiles, x.device)
     if M:
         _w4_scan_kernel[(num_tiles, triton.cdiv(M, config["BLOCK_M"]))](
             x, w4, amax, w_scale, tile_max, tile_idx, M, n, K, x.stride(0), w4.stride(0), amax.stride(0), num_tiles,

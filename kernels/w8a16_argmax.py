@@ -49,8 +49,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, config: dict
     M, K = x.shape
     N = w.shape[0]
     num_tiles = triton.cdiv(N, config["BLOCK_N"])
-    tile_max = torch.empty((M, num_tiles), dtype=torch.float32, device=x.device)
-    tile_idx = torch.empty((M, num_tiles), dtype=torch.int32, device=x.device)
+    tile_max, tile_idx = tiles(M, num_tiles, x.device)
     out = torch.empty((M,), dtype=torch.int64, device=x.device) if out is None else out
     if M:
         grid = (num_tiles, triton.cdiv(M, config["BLOCK_M"]))
@@ -58,6 +57,13 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, config: dict
                                    num_tiles, DOT_DTYPE=DOT_DTYPE, **config, **pdl.options(x.device))
         pick_tiles(tile_max, tile_idx, out)
     return out
+
+
+def tiles(rows: int, num_tiles: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty buffers for each row's tile maxima (fp32) and their first indices (int32) [rows, tiles], as a tile
+    kernel writes them and `pick_tiles` reads them."""
+    return (torch.empty((rows, num_tiles), dtype=torch.float32, device=device),
+            torch.empty((rows, num_tiles), dtype=torch.int32, device=device))
 
 
 def pick_tiles(tile_max: torch.Tensor, tile_idx: torch.Tensor, out: torch.Tensor) -> None:
