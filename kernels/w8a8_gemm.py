@@ -10,6 +10,10 @@ next call, and writes the output. Integer addition is associative, so every conf
 With output cuts (`w8a8_gemm_segments`) y's columns are written as consecutive [M, width] blocks, one per
 segment between cuts: a projection whose output SGLang splits into contiguous tensors (Gated-DeltaNet's q|k|v, z,
 b, a) then needs no split kernel.
+A prefill of thousands of rows is bound by the int8 tensor cores, and the loads through registers cannot feed a
+tile wider than 128 x 128 fast enough for them: with TMA (a config's TMA) the hardware copies x's int8 rows and w's
+columns into shared memory, and a 128 x 256 tile runs faster (BENCHMARKS.md, 2026-12-06). The same int32 sums and
+epilogue: the same bits.
 """
 
 from typing import Optional
@@ -17,6 +21,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from qflash.kernels import config_table, conv_update, pdl
 from qflash.kernels.per_token_quant import per_token_quant
@@ -42,6 +48,18 @@ def _y_offsets(offs_m, offs_n, M, N, cut1, cut2, cut3, SEGMENTED: tl.constexpr):
         end = tl.where(n < cut1, cut1, tl.where(n < cut2, cut2, tl.where(n < cut3, cut3, N)))
         return M * start + offs_m[:, None] * (end - start) + (n - start)
     return offs_m[:, None] * N + offs_n[None, :]
+
+
+@triton.jit
+def _store_tile(acc, x_scale, offs_m, offs_n, mask_n, mask_y, w_scale_ptr, bias_ptr, y_ptr, M, N, cut1, cut2, cut3,
+                HAS_BIAS: tl.constexpr, SEGMENTED: tl.constexpr):
+    """y's tile: the int32 sums times the row and column scales (+ bias), in y's dtype."""
+    w_scale = tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)
+    y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(y_ptr + _y_offsets(offs_m, offs_n, M, N, cut1, cut2, cut3, SEGMENTED), y.to(y_ptr.dtype.element_ty),
+             mask=mask_y)
 
 
 @triton.jit
@@ -100,17 +118,29 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, w
             tl.atomic_xchg(count_ptr + pid, 0)
         mask_y = mask_y & last
 
-    w_scale = tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)
-    y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    y_ptrs = y_ptr + _y_offsets(offs_m, offs_n, M, N, cut1, cut2, cut3, SEGMENTED)
-    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_y)
+    _store_tile(acc, x_scale, offs_m, offs_n, mask_n, mask_y, w_scale_ptr, bias_ptr, y_ptr, M, N, cut1, cut2, cut3,
+                HAS_BIAS, SEGMENTED)
     if CONV_T:
         if pid_n * BLOCK_N < cut1:  # a tile of the first segment (BLOCK_N divides cut1): the conv's input
             conv_update.conv_in_place(y_ptr, offs_m, offs_n, M, cut1, cw_ptr, cb_ptr, cs_ptr, slots_ptr, win_ptr,
                                       win_slots_ptr, stride_cwc, stride_cwj, stride_sb, stride_sc, stride_sj, stride_gb,
                                       stride_gt, stride_gc, stride_gj, CONV_T, CONV_WIDTH, CONV_BIAS)
+
+
+@triton.jit
+def _w8a8_tma_kernel(x_desc, w_desc, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, M, N, K, cut1, cut2, cut3,
+                     HAS_BIAS: tl.constexpr, SEGMENTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
+    # One output tile from TMA copies of x's int8 rows and w's rows (zero-filled past M, N and K), int32 sums.
+    pdl.enter(PDL)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    for k in range(0, K, BLOCK_K):
+        acc = tl.dot(x_desc.load([pid_m * BLOCK_M, k]), w_desc.load([pid_n * BLOCK_N, k]).T, acc, out_dtype=tl.int32)
+    offs_m, offs_n, offs_k, mask_m, mask_n = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
+    x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
+    _store_tile(acc, x_scale, offs_m, offs_n, mask_n, mask_m[:, None] & mask_n[None, :], w_scale_ptr, bias_ptr, y_ptr,
+                M, N, cut1, cut2, cut3, HAS_BIAS, SEGMENTED)
 
 
 _split_k_buffers: dict = {}
@@ -135,10 +165,12 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
     """Run the kernel with an explicit config (the tuner's entry); x [M, K] with unit stride in K. Given x's
     int8 rows and scales (x_q, x_scale, as its producer wrote them), the kernel reads those instead. With `cuts`
     (up to three ascending column indices) y is flat [M * N], one [M, width] block per segment (`segments`); with
-    `conv` (where `conv_fits`) the first segment then gets that conv update in place. `y`: the output, if allocated."""
+    `conv` (where `conv_fits`) the first segment then gets that conv update in place. `y`: the output, if allocated.
+    A config with TMA runs the TMA kernel, on x's int8 rows (quantized beforehand), with no split-K or conv."""
     M, K = x.shape
     N = w.shape[0]
     cfg = {"SPLIT_K": 1, **config}
+    tma = cfg.pop("TMA", False)
     quant_x = cfg.pop("QUANT_X") and x_q is None
     if y is None:
         y = torch.empty((M * N,) if cuts else (M, N), dtype=x.dtype, device=x.device)
@@ -150,6 +182,18 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
         x_scale = w_scale
     else:
         x, x_scale = per_token_quant(x)
+    if tma:
+        if quant_x or cfg.pop("SPLIT_K") > 1 or conv is not None:
+            raise ValueError(f"a TMA config reads x's int8 rows in one pass, with no conv epilogue: {config}")
+        if any(t.stride(0) % 16 or t.data_ptr() % 16 for t in (x, w)):
+            raise ValueError(f"TMA reads rows that start on 16 bytes: x {tuple(x.stride())}, w {tuple(w.stride())}")
+        x_desc = TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
+        w_desc = TensorDescriptor.from_tensor(w, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+        _w8a8_tma_kernel[(triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)](
+            x_desc, w_desc, x_scale, w_scale, w_scale if bias is None else bias, y, M, N, K, *cuts,
+            *(N,) * (3 - len(cuts)), HAS_BIAS=bias is not None, SEGMENTED=bool(cuts), enable_fp_fusion=False,
+            **pdl.options(x.device), **cfg)
+        return y
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
     ws, counts = split_k_buffers(x.device, M, N, tiles) if cfg["SPLIT_K"] > 1 else (y, y)
     programs = tiles * cfg["SPLIT_K"]
@@ -168,9 +212,10 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
 
 def conv_fits(config: dict, m: int, cuts: tuple, block: int) -> bool:
     """Whether a GEMM of m rows in `config` can run a conv update over blocks of `block` rows in its epilogue: each
-    tile holds whole blocks of whole rows of the first segment, and no split-K program holds a partial sum."""
-    return (bool(cuts) and config.get("SPLIT_K", 1) == 1 and m % block == 0 and config["BLOCK_M"] % block == 0
-            and cuts[0] % config["BLOCK_N"] == 0)
+    tile holds whole blocks of whole rows of the first segment, no split-K program holds a partial sum, and the loads
+    go through registers (the TMA kernel has no conv epilogue)."""
+    return (bool(cuts) and config.get("SPLIT_K", 1) == 1 and not config.get("TMA") and m % block == 0
+            and config["BLOCK_M"] % block == 0 and cuts[0] % config["BLOCK_N"] == 0)
 
 
 def segments(y: torch.Tensor, rows: int, cuts: list[int], n: int) -> list[torch.Tensor]:
@@ -218,7 +263,7 @@ def _(x, w, w_scale, cuts, phase, x_q=None, x_scale=None):
 
 DEFAULT_DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=True, SPLIT_K=1, num_warps=4, num_stages=4)
 DEFAULT_PREFILL = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=8, num_stages=3)
-# Tuned on NVIDIA H200 (sm90) by `qflash tune`: (phase, M bucket, N, K) -> launch config.
+# Tuned on NVIDIA H200 (sm90) by `qflash tune`, the TMA rows on an H100 (BENCHMARKS.md, 2026-12-06): (phase, M bucket, N, K) -> launch config.
 CONFIGS = {
     ('prefill', 64, 2560, 4096): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('prefill', 64, 2560, 9216): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
@@ -226,15 +271,16 @@ CONFIGS = {
     ('prefill', 64, 12352, 2560): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
     ('prefill', 64, 18432, 2560): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
     ('prefill', 2048, 2560, 4096): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
-    ('prefill', 2048, 2560, 9216): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
+    ('prefill', 2048, 2560, 9216): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, TMA=True, num_warps=4, num_stages=4),
     ('prefill', 2048, 10240, 2560): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=8, num_stages=3),
     ('prefill', 2048, 12352, 2560): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=8, num_stages=3),
     ('prefill', 2048, 18432, 2560): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=8, num_stages=3),
-    ('prefill', 8192, 2560, 4096): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=8, num_stages=3),
-    ('prefill', 8192, 2560, 9216): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
-    ('prefill', 8192, 10240, 2560): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=8, num_stages=3),
-    ('prefill', 8192, 12352, 2560): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=8, num_stages=3),
-    ('prefill', 8192, 18432, 2560): dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=8, num_stages=3),
+    ('prefill', 8192, 2560, 4096): dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, TMA=True, num_warps=8, num_stages=4),
+    ('prefill', 8192, 2560, 9216): dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, TMA=True, num_warps=8, num_stages=4),
+    ('prefill', 8192, 6144, 2560): dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, TMA=True, num_warps=8, num_stages=4),
+    ('prefill', 8192, 10240, 2560): dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, TMA=True, num_warps=8, num_stages=4),
+    ('prefill', 8192, 12352, 2560): dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, TMA=True, num_warps=8, num_stages=4),
+    ('prefill', 8192, 18432, 2560): dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, TMA=True, num_warps=8, num_stages=4),
     ('verify', 16, 2560, 4096): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('verify', 16, 2560, 9216): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('verify', 16, 10240, 2560): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),

@@ -112,6 +112,59 @@ def test_output_cuts_write_each_segment_as_its_own_block(config):
     assert [b.shape for b in empty] == [(0, 40), (0, 56), (0, 8), (0, 16)]  # a forward of no tokens
 
 
+# The prefill's TMA kernel (kernels/w8a8_gemm.py): M, N and K all ragged against its tiles in the tests below.
+TMA_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, QUANT_X=False, SPLIT_K=1, TMA=True, num_warps=4,
+                  num_stages=2)
+
+
+def test_tma_tiles_give_the_pointer_kernels_bits():
+    """The same int32 sums and epilogue as the pointer kernel, bit for bit: past M, N and K the hardware's zero fill
+    stands in for the masks; with a bias, output cuts, and x's rows quantized by their producer."""
+    x = torch.randn(37, 144, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16).to(DEVICE)
+    w, w_scale = int8_weight(72, 144)
+    bias = torch.randn(72, generator=torch.Generator().manual_seed(13)).to(torch.bfloat16).to(DEVICE)
+    pointer = {k: v for k, v in TMA_CONFIG.items() if k != "TMA"}
+    for b in (None, bias):
+        y = w8a8_gemm.launch(x, w, w_scale, b, TMA_CONFIG)
+        assert y.shape == (37, 72) and torch.equal(y, w8a8_gemm.launch(x, w, w_scale, b, pointer))
+    cuts = (40, 56, 64)
+    assert torch.equal(w8a8_gemm.launch(x, w, w_scale, None, TMA_CONFIG, cuts=cuts),
+                       w8a8_gemm.launch(x, w, w_scale, None, pointer, cuts=cuts))
+    x_q, x_scale = per_token_quant.per_token_quant(x)
+    assert torch.equal(w8a8_gemm.launch(x, w, w_scale, None, TMA_CONFIG, x_q, x_scale),
+                       w8a8_gemm.launch(x, w, w_scale, None, pointer))
+    assert w8a8_gemm.launch(x[:0], w, w_scale, None, TMA_CONFIG).shape == (0, 72)
+
+
+def test_tma_configs_run_the_tma_kernel_and_refuse_what_it_lacks(monkeypatch):
+    launched = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append((self.name, grid[0]))
+
+    monkeypatch.setattr(w8a8_gemm, "_w8a8_tma_kernel", Recorder("tma"))
+    monkeypatch.setattr(w8a8_gemm, "_w8a8_gemm_kernel", Recorder("pointer"))
+    x = torch.randn(37, 144).to(torch.bfloat16)
+    w, w_scale = torch.zeros(72, 144, dtype=torch.int8), torch.ones(72)
+    w8a8_gemm.launch(x, w, w_scale, None, TMA_CONFIG)
+    assert launched == [("tma", 2 * 3)]  # one program a 32 x 32 tile
+    for config in (dict(TMA_CONFIG, QUANT_X=True), dict(TMA_CONFIG, SPLIT_K=2)):
+        with pytest.raises(ValueError, match="one pass"):
+            w8a8_gemm.launch(x, w, w_scale, None, config)
+    with pytest.raises(ValueError, match="16 bytes"):  # rows of 100 int8 values: no TMA row
+        w8a8_gemm.launch(x[:, :100], w[:, :100], w_scale, None, TMA_CONFIG)
+    assert not w8a8_gemm.conv_fits(dict(TMA_CONFIG, BLOCK_M=16), 32, (64, 96, 100), 16)
+    assert w8a8_gemm.conv_fits(dict(TMA_CONFIG, BLOCK_M=16, TMA=False), 32, (64, 96, 100), 16)
+    # the table's TMA rows: prefill GEMMs on int8 rows in one pass, at widths whose rows TMA can read
+    tma_rows = [(key, c) for key, c in w8a8_gemm.CONFIGS.items() if c.get("TMA")]
+    assert tma_rows and all(key[0] == "prefill" and not c["QUANT_X"] and c["SPLIT_K"] == 1 and key[3] % 16 == 0
+                            for key, c in tma_rows)
+
+
 def test_the_first_weight_tile_goes_early_in_grids_of_one_wave(monkeypatch):
     launched = []
 
@@ -361,6 +414,15 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
     gemm_ints = ("N", "K", "stride_xm", "stride_wn", "stride_ym")  # multiples of 16 at every served shape
     split_k = dict(w8a8_gemm.DEFAULT_DECODE, QUANT_X=False, SPLIT_K=4)  # the atomic split-K path compiles too
     for config in distinct([*w8a8_gemm.CONFIGS.values(), w8a8_gemm.DEFAULT_DECODE, w8a8_gemm.DEFAULT_PREFILL, split_k]):
+        if config.get("TMA"):  # the prefill's TMA kernel, plain and with output cuts
+            descriptors = {"x_desc": f"tensordesc<i8[{config['BLOCK_M']}, {config['BLOCK_K']}]>",
+                           "w_desc": f"tensordesc<i8[{config['BLOCK_N']}, {config['BLOCK_K']}]>"}
+            for segmented in (False, True):
+                kernel = compile_for_sm90(w8a8_gemm._w8a8_tma_kernel, {**descriptors, **scales},
+                                          {**{k: v for k, v in config.items() if k not in ("TMA", "QUANT_X", "SPLIT_K")},
+                                           "HAS_BIAS": False, "SEGMENTED": segmented}, ("N", "K", "cut1", "cut2", "cut3"))
+            done.append(("w8a8_gemm", config, "wgmma" in kernel.asm["ptx"]))
+            continue
         pointers = {"x_ptr": "*bf16" if config["QUANT_X"] else "*i8", **scales}
         # the first weight tile after or before the PDL wait (by the grid, as served); the output in blocks
         for early, segmented in ((False, False), (True, False), (False, True)):

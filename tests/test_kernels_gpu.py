@@ -67,6 +67,32 @@ def test_split_k_gives_the_same_bits_as_one_pass(shape, split_k):
             assert torch.equal(w8a8_gemm.launch(x, w, w_scale, None, dict(one, SPLIT_K=split_k)), ref), f"{name} M={m}"
 
 
+PREFILL_SHAPES = list({(n, k): name for name, n, k in reversed(TARGET + DRAFTER)}.items())  # one name a shape
+
+
+@pytest.mark.parametrize("shape, name", PREFILL_SHAPES, ids=[name for _, name in PREFILL_SHAPES])
+def test_tma_prefill_gives_the_pointer_kernels_bits_in_a_cuda_graph(shape, name):
+    # The TMA descriptors are made as the prefill graphs capture (graphs/), then replayed with new rows; M ragged
+    # against the tiles; GDN's input projection with its output cuts (server/hooks/gdn_input_proj.py).
+    from qflash.kernels import w8a8_gemm
+    from qflash.server.tools.shapes import GDN_IN_PROJ_CUTS
+
+    n, k = shape
+    m, (w, w_scale) = 2048 + 80, weight(n, k, k)
+    cuts = GDN_IN_PROJ_CUTS if name == "gdn.in_proj_qkvzba" else ()
+    tma, pointer = w8a8_gemm.table_config("prefill", 8192, n, k), w8a8_gemm.DEFAULT_PREFILL
+    assert tma.get("TMA") and not pointer.get("TMA")
+    x = activations(m, k, n)
+    w8a8_gemm.launch(x, w, w_scale, None, tma, cuts=cuts)  # compiled outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = w8a8_gemm.launch(x, w, w_scale, None, tma, cuts=cuts)
+    x.copy_(activations(m, k, n + 1))
+    y.fill_(float("nan"))
+    graph.replay()
+    assert torch.equal(y, w8a8_gemm.launch(x, w, w_scale, None, pointer, cuts=cuts))
+
+
 @pytest.mark.parametrize("m", DECODE_M)
 def test_w8a16_lm_head_and_fused_argmax(m):
     name, n, k = LM_HEAD

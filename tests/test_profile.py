@@ -15,7 +15,7 @@ def runtime(name, corr):
 
 
 def test_kernel_names_map_to_their_families():
-    assert family("_w8a8_gemm_kernel") == "qflash W8A8 GEMM"
+    assert family("_w8a8_gemm_kernel") == family("_w8a8_tma_kernel") == "qflash W8A8 GEMM"
     assert family("_w8a16_argmax_kernel") == "qflash draft pick"
     assert family("_w4_scan_kernel") == family("_w4_rescore_kernel") == "qflash draft pick"
     assert family("_argmax_pick_kernel") == "sampling, argmax, top-k"  # its pick over the tiles' maxima

@@ -31,7 +31,7 @@ from qflash.server.tools.systems import (OUTPUT_LEN, SGLANG_SYSTEMS, add_specula
 
 # (family, kernel-name pattern): the first match wins; names are Triton / CUDA kernel symbols.
 FAMILIES = [
-    ("qflash W8A8 GEMM", r"_w8a8_gemm_kernel"),
+    ("qflash W8A8 GEMM", r"_w8a8_gemm_kernel|_w8a8_tma_kernel"),
     ("qflash per-token quant", r"_per_token_quant_kernel"),
     ("qflash W8A16 lm_head", r"_w8a16_gemm_kernel"),
     ("qflash draft pick", r"_w4_scan_kernel|_w4_rescore_kernel|_w8a16_argmax_kernel"),

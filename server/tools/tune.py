@@ -27,8 +27,11 @@ def w8a8_candidates(m: int) -> list[dict]:
         tiles = [(128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (128, 256, 128, 8, 3), (64, 128, 128, 4, 4),
                  (128, 128, 64, 4, 4), (64, 256, 128, 8, 3), (128, 128, 128, 4, 3), (256, 128, 64, 8, 3),
                  (128, 128, 128, 8, 4), (128, 256, 64, 8, 4)]
-        return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=w, num_stages=s)
-                for bm, bn, bk, w, s in tiles]
+        tma_tiles = [(128, 256, 128, 8, 4), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 128, 128, 4, 4)]
+        return ([dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=w, num_stages=s)
+                 for bm, bn, bk, w, s in tiles]
+                + [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, QUANT_X=False, SPLIT_K=1, TMA=True, num_warps=w,
+                        num_stages=s) for bm, bn, bk, w, s in tma_tiles])
     bm = min(max(m, 16), 64)
     return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, QUANT_X=qx, SPLIT_K=sk, num_warps=4, num_stages=s)
             for bn in (16, 32, 64) for bk in (256, 512) for s in (3, 4) for qx, sk in ((True, 1), (False, 1), (False, 2), (False, 4), (False, 8))]
