@@ -21,7 +21,6 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from qflash.kernels import config_table, conv_update, pdl
@@ -137,7 +136,7 @@ def _w8a8_tma_kernel(x_desc, w_desc, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     for k in range(0, K, BLOCK_K):
         acc = tl.dot(x_desc.load([pid_m * BLOCK_M, k]), w_desc.load([pid_n * BLOCK_N, k]).T, acc, out_dtype=tl.int32)
-    offs_m, offs_n, offs_k, mask_m, mask_n = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
+    offs_m, offs_n, _, mask_m, mask_n = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
     _store_tile(acc, x_scale, offs_m, offs_n, mask_n, mask_m[:, None] & mask_n[None, :], w_scale_ptr, bias_ptr, y_ptr,
                 M, N, cut1, cut2, cut3, HAS_BIAS, SEGMENTED)
