@@ -181,6 +181,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
         x_scale = w_scale
     else:
         x, x_scale = per_token_quant(x)
+    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+    cut_args = (*cuts, *(N,) * (3 - len(cuts)))  # the cuts not given sit at N: no segment after the last given
     if tma:
         if quant_x or cfg.pop("SPLIT_K") > 1 or conv is not None:
             raise ValueError(f"a TMA config reads x's int8 rows in one pass, with no conv epilogue: {config}")
@@ -188,12 +190,10 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
             raise ValueError(f"TMA reads rows that start on 16 bytes: x {tuple(x.stride())}, w {tuple(w.stride())}")
         x_desc = TensorDescriptor.from_tensor(x, [cfg["BLOCK_M"], cfg["BLOCK_K"]])
         w_desc = TensorDescriptor.from_tensor(w, [cfg["BLOCK_N"], cfg["BLOCK_K"]])
-        _w8a8_tma_kernel[(triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)](
-            x_desc, w_desc, x_scale, w_scale, w_scale if bias is None else bias, y, M, N, K, *cuts,
-            *(N,) * (3 - len(cuts)), HAS_BIAS=bias is not None, SEGMENTED=bool(cuts), enable_fp_fusion=False,
-            **pdl.options(x.device), **cfg)
+        _w8a8_tma_kernel[(tiles,)](
+            x_desc, w_desc, x_scale, w_scale, w_scale if bias is None else bias, y, M, N, K, *cut_args,
+            HAS_BIAS=bias is not None, SEGMENTED=bool(cuts), enable_fp_fusion=False, **pdl.options(x.device), **cfg)
         return y
-    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
     ws, counts = split_k_buffers(x.device, M, N, tiles) if cfg["SPLIT_K"] > 1 else (y, y)
     programs = tiles * cfg["SPLIT_K"]
     # Early first tiles pay in a grid of one wave (one program an SM at most); in a larger one the next grid's early
@@ -204,7 +204,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
     conv_args, conv_constants = (conv.arguments(), conv.constants()) if conv is not None else conv_update.no_epilogue(y)
     _w8a8_gemm_kernel[(programs,)](
         x, w, x_scale, w_scale, w_scale if bias is None else bias, y, ws, counts, M, N, K, x.stride(0), w.stride(0),
-        *cuts, *(N,) * (3 - len(cuts)), *conv_args, QUANT_X=quant_x, HAS_BIAS=bias is not None, SEGMENTED=bool(cuts),
+        *cut_args, *conv_args, QUANT_X=quant_x, HAS_BIAS=bias is not None, SEGMENTED=bool(cuts),
         enable_fp_fusion=False, **conv_constants, **pdl.options(x.device), **cfg)
     return y
 
