@@ -68,7 +68,7 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, w
                       stride_sc, stride_sj, stride_gb, stride_gt, stride_gc, stride_gj,
                       QUANT_X: tl.constexpr, HAS_BIAS: tl.constexpr, SEGMENTED: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
-                      EARLY_TILE: tl.constexpr, CONV_T: tl.constexpr, CONV_WIDTH: tl.constexpr,
+                      EARLY_K: tl.constexpr, CONV_T: tl.constexpr, CONV_WIDTH: tl.constexpr,
                       CONV_BIAS: tl.constexpr, PDL: tl.constexpr):
     split = tl.program_id(0) % SPLIT_K
     pid = tl.program_id(0) // SPLIT_K
@@ -79,10 +79,12 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, w
     k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_lo = split * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
-    if EARLY_TILE:
-        # The weights do not depend on the kernel before: the first tile's loads leave before the wait, while the
+    if EARLY_K:
+        # The weights do not depend on the kernel before: the first EARLY_K rows of K leave before the wait, while the
         # kernel before runs (under PDL this one's programs sit resident meanwhile), instead of opening the launch.
-        w = pdl.load_weights(w_cols + (k_lo + offs_k)[:, None], mask_n[None, :] & (k_lo + offs_k < k_hi)[:, None], 0)
+        offs_e = tl.arange(0, EARLY_K)
+        w_early = pdl.load_weights(w_cols + (k_lo + offs_e)[:, None], mask_n[None, :] & (k_lo + offs_e < k_hi)[:, None],
+                                   0)
     pdl.enter(PDL)
 
     if QUANT_X:
@@ -97,9 +99,9 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, w
         x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
         x_inv = x_scale  # unread without QUANT_X
 
-    if EARLY_TILE:
-        acc = tl.dot(_x_tile(x_rows, k_lo, offs_k, mask_m, k_hi, x_inv, QUANT_X), w, out_dtype=tl.int32)
-        k_lo += BLOCK_K
+    if EARLY_K:
+        acc = tl.dot(_x_tile(x_rows, k_lo, offs_e, mask_m, k_hi, x_inv, QUANT_X), w_early, out_dtype=tl.int32)
+        k_lo += EARLY_K
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     for k in range(k_lo, k_hi, BLOCK_K):
@@ -196,16 +198,18 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
         return y
     ws, counts = split_k_buffers(x.device, M, N, tiles) if cfg["SPLIT_K"] > 1 else (y, y)
     programs = tiles * cfg["SPLIT_K"]
-    # Early first tiles pay in a grid of one wave (one program an SM at most); in a larger one the next grid's early
-    # programs load while this grid's last wave still streams, and slow it (BENCHMARKS.md, 2026-12-04).
-    cfg.setdefault("EARLY_TILE", programs <= pdl.multiprocessors(x.device))
+    # By default the first tile goes early in a grid of one wave (one program an SM at most): in a larger one the next
+    # grid's early programs load while this grid's last wave still streams (BENCHMARKS.md, 2026-12-04). After a small
+    # kernel, as most GEMMs of a cycle run, the best count depends on the shape: the tuner sets it (EARLY_TILES: 0, 1,
+    # 2 or 4 tiles, BLOCK_K rows of K each).
+    early = cfg.pop("EARLY_TILES", int(programs <= pdl.multiprocessors(x.device)))
     if conv is not None and not conv_fits(cfg, M, cuts, conv.block):
         raise ValueError(f"a conv epilogue needs whole blocks of {conv.block} rows a tile, no split-K: {cfg}")
     conv_args, conv_constants = (conv.arguments(), conv.constants()) if conv is not None else conv_update.no_epilogue(y)
     _w8a8_gemm_kernel[(programs,)](
         x, w, x_scale, w_scale, w_scale if bias is None else bias, y, ws, counts, M, N, K, x.stride(0), w.stride(0),
         *cut_args, *conv_args, QUANT_X=quant_x, HAS_BIAS=bias is not None, SEGMENTED=bool(cuts),
-        enable_fp_fusion=False, **conv_constants, **pdl.options(x.device), **cfg)
+        EARLY_K=early * cfg["BLOCK_K"], enable_fp_fusion=False, **conv_constants, **pdl.options(x.device), **cfg)
     return y
 
 
@@ -262,7 +266,7 @@ def _(x, w, w_scale, cuts, phase, x_q=None, x_scale=None):
 
 DEFAULT_DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=True, SPLIT_K=1, num_warps=4, num_stages=4)
 DEFAULT_PREFILL = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=8, num_stages=3)
-# Tuned on NVIDIA H200 (sm90) by `qflash tune`, the TMA rows on an H100 (BENCHMARKS.md, 2026-12-06): (phase, M bucket, N, K) -> launch config.
+# Tuned on NVIDIA H200 (sm90) by `qflash tune`, the TMA rows and M = 16's early tiles on an H100 (BENCHMARKS.md, 2026-12-06): (phase, M bucket, N, K) -> launch config.
 CONFIGS = {
     ('prefill', 64, 2560, 4096): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('prefill', 64, 2560, 9216): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
@@ -280,11 +284,11 @@ CONFIGS = {
     ('prefill', 8192, 10240, 2560): dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, TMA=True, num_warps=8, num_stages=4),
     ('prefill', 8192, 12352, 2560): dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, TMA=True, num_warps=8, num_stages=4),
     ('prefill', 8192, 18432, 2560): dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, TMA=True, num_warps=8, num_stages=4),
-    ('verify', 16, 2560, 4096): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
-    ('verify', 16, 2560, 9216): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
-    ('verify', 16, 10240, 2560): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
-    ('verify', 16, 12352, 2560): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
-    ('verify', 16, 18432, 2560): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
+    ('verify', 16, 2560, 4096): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, EARLY_TILES=0, num_warps=4, num_stages=4),
+    ('verify', 16, 2560, 9216): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, EARLY_TILES=2, num_warps=4, num_stages=4),
+    ('verify', 16, 10240, 2560): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, EARLY_TILES=1, num_warps=4, num_stages=4),
+    ('verify', 16, 12352, 2560): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, EARLY_TILES=1, num_warps=4, num_stages=4),
+    ('verify', 16, 18432, 2560): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, EARLY_TILES=1, num_warps=4, num_stages=3),
     ('verify', 32, 2560, 4096): dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('verify', 32, 2560, 9216): dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('verify', 32, 10240, 2560): dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
@@ -300,10 +304,10 @@ CONFIGS = {
     ('verify', 128, 10240, 2560): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
     ('verify', 128, 12352, 2560): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
     ('verify', 128, 18432, 2560): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
-    ('draft', 16, 2560, 4096): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
-    ('draft', 16, 2560, 9216): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=2, num_warps=4, num_stages=4),
-    ('draft', 16, 6144, 2560): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
-    ('draft', 16, 18432, 2560): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),
+    ('draft', 16, 2560, 4096): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, EARLY_TILES=0, num_warps=4, num_stages=4),
+    ('draft', 16, 2560, 9216): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=2, EARLY_TILES=2, num_warps=4, num_stages=4),
+    ('draft', 16, 6144, 2560): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, EARLY_TILES=1, num_warps=4, num_stages=3),
+    ('draft', 16, 18432, 2560): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, EARLY_TILES=2, num_warps=4, num_stages=3),
     ('draft', 32, 2560, 4096): dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('draft', 32, 2560, 9216): dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('draft', 32, 18432, 2560): dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3),

@@ -30,10 +30,12 @@ W8A8_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, GROUP_M=1, QUANT_X=q, S
                 for q in (True, False)] + [
     dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=2),
     dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=1, QUANT_X=False, SPLIT_K=3, num_warps=4, num_stages=2)]
-# the first weight tile loaded before the PDL wait (a grid of one wave on the GPU; off CUDA never by default)
-W8A8_CONFIGS += [dict(W8A8_CONFIGS[0], EARLY_TILE=True), dict(W8A8_CONFIGS[3], EARLY_TILE=True)]
+# weight tiles loaded before the PDL wait (the first in a grid of one wave on the GPU; off CUDA none by default): one,
+# two (past a split's K range at split-K 3) and four (past all of K = 100 at 32 a tile)
+W8A8_CONFIGS += [dict(W8A8_CONFIGS[0], EARLY_TILES=1), dict(W8A8_CONFIGS[3], EARLY_TILES=2),
+                 dict(W8A8_CONFIGS[2], EARLY_TILES=4)]
 W8A8_IDS = ["fused-quant", "separate-quant", "32x32x32-grouped", "split-k-3", "fused-quant-early-tile",
-            "split-k-3-early-tile"]
+            "split-k-3-two-early-tiles", "grouped-four-early-tiles"]
 W8A16_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
 
 
@@ -170,7 +172,7 @@ def test_the_first_weight_tile_goes_early_in_grids_of_one_wave(monkeypatch):
 
     class Recorder:
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: launched.append((grid[0], kwargs["EARLY_TILE"]))
+            return lambda *args, **kwargs: launched.append((grid[0], kwargs["EARLY_K"]))
 
     monkeypatch.setattr(w8a8_gemm, "_w8a8_gemm_kernel", Recorder())
     monkeypatch.setattr(w8a8_gemm.pdl, "multiprocessors", lambda device: 6)
@@ -178,7 +180,8 @@ def test_the_first_weight_tile_goes_early_in_grids_of_one_wave(monkeypatch):
     for n, split_k in ((48, 1), (96, 1), (112, 1), (48, 2), (48, 3)):
         w, w_scale = torch.zeros(n, 64, dtype=torch.int8), torch.ones(n)
         w8a8_gemm.launch(x, w, w_scale, None, dict(W8A8_CONFIGS[1], SPLIT_K=split_k))
-    assert launched == [(3, True), (6, True), (7, False), (6, True), (9, False)]
+    w8a8_gemm.launch(x, w, w_scale, None, dict(W8A8_CONFIGS[1], SPLIT_K=3, EARLY_TILES=2))  # a table's count rules
+    assert launched == [(3, 64), (6, 64), (7, 0), (6, 64), (9, 0), (9, 128)]
 
 
 def test_split_k_leaves_its_workspace_zeroed_for_the_next_call():
@@ -285,6 +288,27 @@ def test_the_tuner_times_decode_gemms_in_a_chain_over_weights_that_outgrow_l2(mo
     assert [(how, len(weights)) for how, weights in timed] == [("chain", timing.chain_calls(2560 * 9216)), ("cold", 1)]
 
 
+def test_the_tuner_then_picks_the_early_tiles_of_a_decode_config(monkeypatch):
+    """Decode rows: the best tile config, then its count of weight tiles before the PDL wait (the fastest of
+    tune.EARLY_TILES); a config that quantizes x itself keeps the launcher's default, and prefill has none."""
+    from qflash.server.tools import tune
+
+    monkeypatch.setattr(tune, "w8a8_timer", lambda m, n, k, gemm: None)
+    monkeypatch.setattr(tune, "gdn_input_verify", lambda m: None)
+    rounds = []
+
+    def best_config(time_us, candidates):
+        rounds.append(candidates)
+        if "EARLY_TILES" in candidates[0]:
+            return next(c for c in candidates if c["EARLY_TILES"] == 2), 1.0
+        return dict(candidates[0], QUANT_X=candidates[0]["BLOCK_M"] == 32), 2.0
+    monkeypatch.setattr(tune, "best_config", best_config)
+    table = tune.tune_w8a8((16, 32, 2048))
+    assert {c.get("EARLY_TILES") for (_, m, _, _), c in table.items()} >= {2, None}
+    assert all((c.get("EARLY_TILES") == 2) == (m == 16) for (_, m, _, _), c in table.items())
+    assert [c["EARLY_TILES"] for c in rounds[1]] == list(tune.EARLY_TILES)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_the_tuner_runs_the_gdn_input_verify_with_and_without_the_conv_epilogue_gpu():
@@ -309,7 +333,11 @@ def test_tuning_some_row_buckets_keeps_the_tables_other_entries(monkeypatch):
     monkeypatch.setattr(tune, "int8_weight", lambda n, k: (None, None))
     monkeypatch.setattr(tune.w4_draft_pick, "quantize", lambda w: (torch.empty(0), torch.empty(0)))
     monkeypatch.setattr(tune.torch, "randn", lambda *shape, **kw: None)
-    monkeypatch.setattr(tune, "best_config", lambda timer, candidates: (jobs.append(timer) or {"new": True}, 1.0))
+    def best_config(timer, candidates):  # a shape's timer, once: its early tiles' round (below) is another test's
+        if "EARLY_TILES" not in candidates[0]:
+            jobs.append(timer)
+        return {"new": True}, 1.0
+    monkeypatch.setattr(tune, "best_config", best_config)
     monkeypatch.setattr(tune, "write", lambda path, table, machine: written.update({Path(path).stem: table}))
     assert tune.run(argparse.Namespace(rows=[16]), []) == 0
     assert {timer[0] for timer in jobs if isinstance(timer, tuple)} == {16}  # (M, N, K) of the W8A8 shapes timed
@@ -424,10 +452,11 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
             done.append(("w8a8_gemm", config, "wgmma" in kernel.asm["ptx"]))
             continue
         pointers = {"x_ptr": "*bf16" if config["QUANT_X"] else "*i8", **scales}
-        # the first weight tile after or before the PDL wait (by the grid, as served); the output in blocks
-        for early, segmented in ((False, False), (True, False), (False, True)):
+        # weight tiles after or before the PDL wait (by the grid or the table's count, as served); the output in blocks
+        constants = {k: v for k, v in config.items() if k != "EARLY_TILES"}
+        for early, segmented in ((0, False), (config.get("EARLY_TILES", 1), False), (0, True)):
             kernel = compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, pointers,
-                                      {"SPLIT_K": 1, **config, "HAS_BIAS": False, "EARLY_TILE": early,
+                                      {"SPLIT_K": 1, **constants, "HAS_BIAS": False, "EARLY_K": early * config["BLOCK_K"],
                                        "SEGMENTED": segmented, **conv_update.no_epilogue(None)[1]},
                                       gemm_ints + ("cut1", "cut2", "cut3"))
         done.append(("w8a8_gemm", config, "wgmma" in kernel.asm["ptx"]))
@@ -439,7 +468,8 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
         if phase == "verify" and n == in_proj and w8a8_gemm.conv_fits(config, m, shapes.GDN_IN_PROJ_CUTS,
                                                                       preset.BLOCK_SIZE):
             compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, {"x_ptr": "*i8", **scales, **conv_pointers},
-                             {**config, "HAS_BIAS": False, "EARLY_TILE": False, "SEGMENTED": True, "CONV_T":
+                             {**{k: v for k, v in config.items() if k != "EARLY_TILES"}, "HAS_BIAS": False,
+                              "EARLY_K": 0, "SEGMENTED": True, "CONV_T":
                               preset.BLOCK_SIZE, "CONV_WIDTH": shapes.GDN_CONV_WIDTH, "CONV_BIAS": False},
                              gemm_ints + ("cut1", "cut2", "cut3"))
             done.append(("w8a8_gemm + conv", config, None))

@@ -37,6 +37,9 @@ def w8a8_candidates(m: int) -> list[dict]:
             for bn in (16, 32, 64) for bk in (256, 512) for s in (3, 4) for qx, sk in ((True, 1), (False, 1), (False, 2), (False, 4), (False, 8))]
 
 
+EARLY_TILES = (0, 1, 2, 4)  # weight tiles a decode GEMM may load before the PDL wait: EARLY_K, a power of two
+
+
 def w8a16_candidates(m: int, group: bool = True) -> list[dict]:
     # One row tile covers all decode M: a second one would read the whole lm_head again.
     bm = max(m, 16)
@@ -110,7 +113,12 @@ def tune_w8a8(rows: tuple) -> dict:
             + [("prefill", m, s) for m in prefill for s in TARGET + DRAFTER])
     for phase, m, (name, n, k) in jobs:
         served_as = gdn_input_verify(m) if (phase, name) == ("verify", "gdn.in_proj_qkvzba") else w8a8_gemm.launch
-        cfg, us = best_config(w8a8_timer(m, n, k, served_as), w8a8_candidates(m))
+        time_us = w8a8_timer(m, n, k, served_as)
+        cfg, us = best_config(time_us, w8a8_candidates(m))
+        if m <= DECODE_MAX_M and not cfg.get("QUANT_X"):
+            # Then the weight tiles it loads before the PDL wait: each chained call follows its quantization launch,
+            # a small kernel, as most of a cycle's GEMMs follow a norm or an activation.
+            cfg, us = best_config(time_us, [dict(cfg, EARLY_TILES=e) for e in EARLY_TILES])
         table[(phase, m, n, k)] = cfg
         print(f"w8a8 {phase:7} M={m:5} {name:20} {us:9.1f} us  {n * k / us / 1e3:7.0f} GB/s  {cfg}", flush=True)
     return table
