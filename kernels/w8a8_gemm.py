@@ -266,7 +266,7 @@ def _(x, w, w_scale, cuts, phase, x_q=None, x_scale=None):
 
 DEFAULT_DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=True, SPLIT_K=1, num_warps=4, num_stages=4)
 DEFAULT_PREFILL = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=8, num_stages=3)
-# Tuned on NVIDIA H200 (sm90) by `qflash tune`, the TMA rows and M = 16's early tiles on an H100 (BENCHMARKS.md, 2026-12-06): (phase, M bucket, N, K) -> launch config.
+# Tuned on NVIDIA H200 (sm90) by `qflash tune`, the TMA rows and the decode rows' early tiles on an H100 (BENCHMARKS.md, 2026-12-06): (phase, M bucket, N, K) -> launch config.
 CONFIGS = {
     ('prefill', 64, 2560, 4096): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('prefill', 64, 2560, 9216): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
