@@ -14,6 +14,8 @@
 #                          the checkout first: the second server started on a lent machine has run slower
 #                          (BENCHMARKS.md, 2026-12-04), so alternate
 #   BENCH=sys1,sys2,...    qflash bench --systems ... $BENCH_ARGS (e.g. BENCH_ARGS="--profile-steps 0")
+#   PROFILE="args"         qflash profile --out ... args (e.g. PROFILE="--prefill --prompt-len 64,2048 --steps 3": the steps
+#                          of a fresh prompt's first token, host spans beside the GPU's)
 #   SWITCH_AB=sw1,sw2      tests/switch_ab.py --switches ... $SWITCH_AB_ARGS: the test plugin's run-time switches
 #                          (one_cycle_per_step, plan_stream_off, ...) against the default, on one server
 #   DEADLINE=560          seconds of the call the steps may take together (default 560 of the device's 600): each
@@ -118,6 +120,16 @@ if [ -n "${BENCH:-}" ]; then
   grep -h -A3 "^Per step" $RUN/bench/profiles/*.md 2>/dev/null | head -40
   grep -h "qflash graphs\|qflash:" $RUN/bench/logs/*.log 2>/dev/null | sort | uniq -c | head -30
   tar czf "$OUT/bench-logs.tgz" -C $RUN/bench logs 2>/dev/null
+  pack
+fi
+if [ -n "${PROFILE:-}" ]; then
+  # shellcheck disable=SC2086
+  timeout "$(within "${PROFILE_TIMEOUT:-300}")" python3 -m qflash.server.cli profile --out $RUN/profile $PROFILE \
+    > $RUN/profile.log 2>&1 || status=1
+  tail -n 5 $RUN/profile.log
+  pkill -f sglang.launch_server
+  for f in $RUN/profile/*.md $RUN/profile/*.json; do [ -e "$f" ] && cp "$f" "$OUT/profile-$(basename "$f")"; done
+  grep -h -A3 "^Per step" $RUN/profile/*.md 2>/dev/null | head -20
   pack
 fi
 if [ -n "${SWITCH_AB:-}" ]; then
