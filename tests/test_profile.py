@@ -205,6 +205,29 @@ def test_host_spans_are_summed_per_step():
     assert "| `scheduler.run_batch` | 5.500 |" in render(s, "title")
 
 
+def test_a_prefill_profile_lists_host_spans_and_stretches_of_gpu_work_in_order():
+    def span(name, ts, dur, cat="user_annotation"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    trace = {"traceEvents": [
+        span("scheduler.recv_requests", 1000, 200), span("scheduler.run_batch", 1300, 900),
+        span("step[EXTEND bs=1]", 1400, 700), span("cudaGraphLaunch", 1500, 100, cat="cuda_runtime"),
+        kernel("_w8a8_gemm_kernel", 1600, 400), kernel("_rms_norm_quant_kernel", 2030, 20),  # a 30 us gap: one stretch
+        kernel("_w8a16_gemm_kernel", 2100, 300),  # 50 us after the last: a second stretch
+        span("scheduler.process_batch_result", 2500, 400), span("aten::mm", 2600, 10, cat="cpu_op"),
+    ]}
+    s = summarize(trace, steps=1)
+    assert s["timeline"] == [("scheduler.recv_requests", 0.0, pytest.approx(0.2)),
+                             ("scheduler.run_batch", pytest.approx(0.3), pytest.approx(0.9)),
+                             ("step[EXTEND]", pytest.approx(0.4), pytest.approx(0.7)),
+                             ("cudaGraphLaunch", pytest.approx(0.5), pytest.approx(0.1)),
+                             ("GPU, 2 kernels", pytest.approx(0.6), pytest.approx(0.45)),
+                             ("GPU, 1 kernels", pytest.approx(1.1), pytest.approx(0.3)),
+                             ("scheduler.process_batch_result", pytest.approx(1.5), pytest.approx(0.4))]
+    assert "| 0.600 | 0.450 | GPU, 2 kernels |" in render(s, "title", in_order=True)
+    assert "In order" not in render(s, "title")  # a decode profile's cycles: no timeline
+
+
 def test_a_trace_without_gpu_events_is_refused():
     with pytest.raises(ValueError, match="no GPU kernel events"):
         summarize({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5}]}, steps=1)

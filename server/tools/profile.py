@@ -4,7 +4,8 @@ Starts a system as `qflash bench` does (dummy model, SGLANG_SIMULATE_ACC_LEN), s
 then streams one request of the given prompt length; a few cycles into its decoding (prefill done), SGLang's
 own profiler (`/start_profile`, CPU + GPU activities) records a fixed number of forward steps, each one
 DFlash draft + verify cycle. With `--prefill` the profiler starts before the request instead, so its first
-steps are recorded: the prefill (target and draft) that the time to first token is made of; with `--cached N` too,
+steps are recorded: the prefill (target and draft) that the time to first token is made of, with its host spans and
+stretches of GPU work listed in order; with `--cached N` too,
 the profiled prompt starts with the warm-up's first N tokens, so its prefill is a chat turn's: new tokens over a
 cached prefix (from the radix cache's last checkpoint at or below N, every 256 tokens on this hybrid model).
 The trace's GPU kernels are summed by family per step and by launch: each CUDA-graph replay is one group
@@ -72,6 +73,7 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # torch profiler chrome
 HOST_SPANS = r"^scheduler\.|^step\[|^copy_result_to_cpu$|^cudaGraphLaunch$"
 TOP_KERNELS = 40  # kernels listed by name: what each family is made of, e.g. torch's elementwise kernels
 TOP_GAPS, STEP_GAP_US = 12, 50  # idle gaps listed by the kernels around them; a longer one is the host between steps
+TIMELINE_ROWS = 60  # a prefill profile's first host spans and stretches of GPU work, listed in order
 SKIP_CHUNKS = 4  # streamed chunks (one per scheduler step) before profiling starts: prefill and first steps excluded
 # tokens of the profiled request: room for the skipped steps and the recorded ones, a window of cycles each
 PROFILED_LEN = 4 * OUTPUT_LEN
@@ -145,6 +147,33 @@ def gaps(kernels: list[dict]) -> tuple[float, dict[tuple[str, str], tuple[int, f
     return total, by_pair
 
 
+def _host_span(event: dict) -> bool:
+    return (event.get("cat") in ("user_annotation", "cuda_runtime") and "dur" in event
+            and re.search(HOST_SPANS, event.get("name", "")) is not None)
+
+
+def _span_name(event: dict) -> str:
+    return re.sub(r" bs=\d+", "", event["name"])
+
+
+def timeline(events: list[dict], kernels: list[dict]) -> list[tuple[str, float, float]]:
+    """The window in order, for a prefill: each host span and each stretch of GPU work (kernels with no idle gap of
+    STEP_GAP_US or more between them), as (what, ms from the first, ms); the first TIMELINE_ROWS. Where a time to
+    first token goes: the scheduler's steps against the GPU's work."""
+    rows, stretch = [(_span_name(e), e["ts"], e["dur"]) for e in events if _host_span(e)], None
+    for e in sorted(kernels, key=lambda e: e["ts"]):
+        if stretch is not None and e["ts"] - stretch[2] < STEP_GAP_US:
+            stretch[1], stretch[2] = stretch[1] + 1, max(stretch[2], e["ts"] + e["dur"])
+            continue
+        if stretch is not None:
+            rows.append((f"GPU, {stretch[1]} kernels", stretch[0], stretch[2] - stretch[0]))
+        stretch = [e["ts"], 1, e["ts"] + e["dur"]]
+    rows.append((f"GPU, {stretch[1]} kernels", stretch[0], stretch[2] - stretch[0]))
+    rows.sort(key=lambda row: row[1])
+    first = rows[0][1]
+    return [(what, (ts - first) * 1e-3, dur * 1e-3) for what, ts, dur in rows[:TIMELINE_ROWS]]
+
+
 def launch_groups(events: list[dict], kernels: list[dict], own: dict[int, float]) -> dict[str, float]:
     """GPU time (us) by launch: per kind of CUDA-graph replay, and the kernels launched one at a time as eager."""
     named, eager = graph_replays(events, kernels)
@@ -176,10 +205,8 @@ def summarize(trace: dict, steps: int) -> dict:
         us, launches, _ = per_kernel.get(short, (0.0, 0, name))
         per_kernel[short] = (us + own[id(e)], launches + 1, name)
     host = {}
-    for e in events:
-        if e.get("cat") in ("user_annotation", "cuda_runtime") and "dur" in e and re.search(HOST_SPANS, e.get("name", "")):
-            name = re.sub(r" bs=\d+", "", e["name"])
-            host[name] = host.get(name, 0.0) + e["dur"]
+    for e in filter(_host_span, events):
+        host[_span_name(e)] = host.get(_span_name(e), 0.0) + e["dur"]
     ms = 1e-3 / steps
     named = graph_replays(events, kernels)[0]
     cycles = len(named.get("verify graph", ())) + len(named.get("cycle graph", ())) or steps  # a window: several a step
@@ -204,12 +231,14 @@ def summarize(trace: dict, steps: int) -> dict:
         # (kernel before, kernel after, gaps per cycle, us per cycle), the largest first
         "top_gaps": [(before, after, count / cycles, us / cycles) for (before, after), (count, us)
                      in sorted(gap_pairs.items(), key=lambda kv: -kv[1][1])[:TOP_GAPS]],
+        "timeline": timeline(events, kernels),
     }
 
 
-def render(summary: dict, title: str, family_floors: dict[str, float] | None = None, qflash: bool = False) -> str:
+def render(summary: dict, title: str, family_floors: dict[str, float] | None = None, qflash: bool = False,
+           in_order: bool = False) -> str:
     """The summary as markdown; with `family_floors` (floors.per_cycle_ms), each family's time per cycle against its
-    floor; for a `qflash` cycle, which of the SGLang kernels it replaces were launched."""
+    floor; for a `qflash` cycle, which of the SGLang kernels it replaces were launched; `in_order`: the timeline."""
     window, family_floors = summary["window_ms"], family_floors or {}
     per_cycle = summary["steps"] / summary["cycles"]  # a family's ms per step -> per cycle
     card, tbps = floors.card_rate(summary["device"])
@@ -245,6 +274,10 @@ def render(summary: dict, title: str, family_floors: dict[str, float] | None = N
                   "cycle; the largest by the kernels around them:", "",
                   "| idle after | before | gaps per cycle | us per cycle |", "| --- | --- | ---: | ---: |"]
         lines += [f"| `{a}` | `{b}` | {n:.1f} | {us:.2f} |" for a, b, n, us in summary["top_gaps"]]
+    if in_order:
+        lines += ["", f"In order (the first {TIMELINE_ROWS}): host spans, and stretches of GPU work between idle gaps of "
+                  f"{STEP_GAP_US} us or more:", "", "| at ms | ms | what |", "| ---: | ---: | --- |"]
+        lines += [f"| {at:.3f} | {ms:.3f} | {what} |" for what, at, ms in summary["timeline"]]
     return "\n".join(lines) + "\n"
 
 
@@ -308,7 +341,8 @@ def profile_buckets(server, system: str, out: Path, prompt_lens: list[int], step
                  + (" --with-stack" if with_stack else "") + (f" {' '.join(flags)}" if flags else ""))
         title = f"`qflash profile --system {system} --prompt-len {prompt_len} --steps {steps}{extra}`: {trace_path.name}"
         decode = system == "qflash" and not prefill
-        table = render(summary, title, floors.per_cycle_ms(prompt_len, summary["device"]) if decode else None, decode)
+        table = render(summary, title, floors.per_cycle_ms(prompt_len, summary["device"]) if decode else None, decode,
+                       in_order=prefill)
         (out / f"{system}-{prompt_len}{kind}-profile.md").write_text(table)
         report[prompt_len] = summary
         print(table)
