@@ -200,8 +200,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
     programs = tiles * cfg["SPLIT_K"]
     # By default the first tile goes early in a grid of one wave (one program an SM at most): in a larger one the next
     # grid's early programs load while this grid's last wave still streams (BENCHMARKS.md, 2026-12-04). After a small
-    # kernel, as most GEMMs of a cycle run, the best count depends on the shape: the tuner sets it (EARLY_TILES: 0, 1,
-    # 2 or 4 tiles, BLOCK_K rows of K each).
+    # kernel, as most GEMMs of a cycle run, the best count depends on the shape: the tuner sets it (EARLY_TILES, of
+    # BLOCK_K rows of K each; a power of two, as EARLY_K is an arange's length).
     early = cfg.pop("EARLY_TILES", int(programs <= pdl.multiprocessors(x.device)))
     if conv is not None and not conv_fits(cfg, M, cuts, conv.block):
         raise ValueError(f"a conv epilogue needs whole blocks of {conv.block} rows a tile, no split-K: {cfg}")

@@ -131,19 +131,27 @@ def own_times(kernels: list[dict]) -> dict[int, float]:
     return own
 
 
+def _in_order(kernels: list[dict]):
+    """The kernels by start, each with the GPU's idle time before it (None for the first, <= 0 where it overlaps
+    what ran before), the kernel that ended last before it, and the end of all work up to and with it."""
+    reach, last = None, None
+    for e in sorted(kernels, key=lambda e: e["ts"]):
+        idle, before = None if reach is None else e["ts"] - reach, last
+        if reach is None or e["ts"] + e["dur"] > reach:
+            reach, last = e["ts"] + e["dur"], e
+        yield e, idle, before, reach
+
+
 def gaps(kernels: list[dict]) -> tuple[float, dict[tuple[str, str], tuple[int, float]]]:
     """The GPU's idle gaps shorter than STEP_GAP_US (inside a step: launch latency, a kernel that waits for the
     whole one before it, a copy-engine memcpy): their total (us) and, by (the kernel that ended last, the next
     kernel), their count and time. A kernel without PDL behind a kernel, or a copy between two, shows here."""
-    by_pair, total, reach, last = {}, 0.0, None, None
-    for e in sorted(kernels, key=lambda e: e["ts"]):
-        idle = 0.0 if reach is None else e["ts"] - reach
-        if 0 < idle < STEP_GAP_US:
-            pair = (short_name(last["name"], 60), short_name(e["name"], 60))
+    by_pair, total = {}, 0.0
+    for e, idle, before, _ in _in_order(kernels):
+        if idle is not None and 0 < idle < STEP_GAP_US:
+            pair = (short_name(before["name"], 60), short_name(e["name"], 60))
             count, us = by_pair.get(pair, (0, 0.0))
             by_pair[pair], total = (count + 1, us + idle), total + idle
-        if reach is None or e["ts"] + e["dur"] > reach:
-            reach, last = e["ts"] + e["dur"], e
     return total, by_pair
 
 
@@ -160,15 +168,12 @@ def timeline(events: list[dict], kernels: list[dict]) -> list[tuple[str, float, 
     """The window in order, for a prefill: each host span and each stretch of GPU work (kernels with no idle gap of
     STEP_GAP_US or more between them), as (what, ms from the first, ms); the first TIMELINE_ROWS. Where a time to
     first token goes: the scheduler's steps against the GPU's work."""
-    rows, stretch = [(_span_name(e), e["ts"], e["dur"]) for e in events if _host_span(e)], None
-    for e in sorted(kernels, key=lambda e: e["ts"]):
-        if stretch is not None and e["ts"] - stretch[2] < STEP_GAP_US:
-            stretch[1], stretch[2] = stretch[1] + 1, max(stretch[2], e["ts"] + e["dur"])
-            continue
-        if stretch is not None:
-            rows.append((f"GPU, {stretch[1]} kernels", stretch[0], stretch[2] - stretch[0]))
-        stretch = [e["ts"], 1, e["ts"] + e["dur"]]
-    rows.append((f"GPU, {stretch[1]} kernels", stretch[0], stretch[2] - stretch[0]))
+    rows, stretches = [(_span_name(e), e["ts"], e["dur"]) for e in events if _host_span(e)], []
+    for e, idle, _, reach in _in_order(kernels):
+        if idle is None or idle >= STEP_GAP_US:
+            stretches.append([e["ts"], 0, reach])  # [start, kernels, end]
+        stretches[-1][1:] = stretches[-1][1] + 1, reach
+    rows += [(f"GPU, {count} kernels", start, end - start) for start, count, end in stretches]
     rows.sort(key=lambda row: row[1])
     first = rows[0][1]
     return [(what, (ts - first) * 1e-3, dur * 1e-3) for what, ts, dur in rows[:TIMELINE_ROWS]]
