@@ -15,7 +15,8 @@
 #                          (BENCHMARKS.md, 2026-12-04), so alternate
 #   BENCH=sys1,sys2,...    qflash bench --systems ... $BENCH_ARGS (e.g. BENCH_ARGS="--profile-steps 0")
 #   PROFILE="args"         qflash profile --out ... args (e.g. PROFILE="--prefill --prompt-len 64,2048 --steps 3": the steps
-#                          of a fresh prompt's first token, host spans beside the GPU's)
+#                          of a fresh prompt's first token, host spans beside the GPU's); its traces come back too, each
+#                          under 12 MB (a call brings back at most 8 files: keep the lengths few)
 #   SWITCH_AB=sw1,sw2      tests/switch_ab.py --switches ... $SWITCH_AB_ARGS: the test plugin's run-time switches
 #                          (one_cycle_per_step, plan_stream_off, ...) against the default, on one server
 #   DEADLINE=560          seconds of the call the steps may take together (default 560 of the device's 600): each
@@ -129,6 +130,12 @@ if [ -n "${PROFILE:-}" ]; then
   tail -n 5 $RUN/profile.log
   pkill -f sglang.launch_server
   for f in $RUN/profile/*.md $RUN/profile/*.json; do [ -e "$f" ] && cp "$f" "$OUT/profile-$(basename "$f")"; done
+  # each trace beside run.tgz (kernel by kernel, to read here), where it keeps under the device's 16 MB a file
+  for d in $RUN/profile/traces/*/; do
+    for f in "$d"*.trace.json.gz; do
+      [ -e "$f" ] && [ "$(stat -c %s "$f")" -lt 12000000 ] && cp "$f" "$FINAL/profile-$(basename "$d").trace.json.gz"
+    done
+  done
   grep -h -A3 "^Per step" $RUN/profile/*.md 2>/dev/null | head -20
   pack
 fi

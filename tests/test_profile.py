@@ -320,3 +320,43 @@ def test_a_cached_prefix_the_profile_cannot_make_is_one_line(argv, capsys):
     assert main(["profile", "--out", "/tmp/p", "--prompt-len", "2048", *argv]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "qflash profile: --cached needs --prefill, qflash with its prefix cache, and fewer tokens than each --prompt-len"]
+
+
+def test_a_prefill_profile_starts_at_the_requests_arrival_and_sums_what_runs_before_the_first_cycle():
+    """The scheduler polls while idle before the request comes (left out of the timeline); the kernels launched before
+    the first verify forward are the request's way to its first cycle, one GPU behind its launches included, each
+    eager kernel named with the torch op that launched it."""
+    def span(name, ts, dur, cat="user_annotation", **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
+
+    def launched(name, ts, dur, corr, ext=None):
+        return {**kernel(name, ts, dur, corr=corr), "args": {"correlation": corr, **({"External id": ext} if ext else {})}}
+
+    trace = {"traceEvents": [
+        *(span("scheduler.recv_requests", ts, 50) for ts in (0, 300, 600, 900)),  # the last poll gets the request
+        span("scheduler.get_next_batch_to_run", 1000, 150), span("aten::copy_", 1050, 20, cat="cpu_op", **{"External id": 5}),
+        span("cudaMemcpyAsync", 1060, 5, cat="cuda_runtime", correlation=10, **{"External id": 5}),
+        launched("Memcpy HtoD (Pageable -> Device)", 1100, 10, 10, ext=5),
+        span("step[EXTEND toks=64]", 1200, 300), span("cudaGraphLaunch", 1250, 20, cat="cuda_runtime", correlation=11),
+        launched("_w8a8_gemm_kernel", 1300, 400, 11), launched("_rms_norm_quant_kernel", 1700, 100, 11),
+        span("aten::copy_", 1880, 20, cat="cpu_op", **{"External id": 6}),
+        span("cudaLaunchKernel", 1900, 5, cat="cuda_runtime", correlation=12, **{"External id": 6}),
+        launched("direct_copy_kernel_cuda", 2200, 50, 12, ext=6),  # launched before the verify, run after it began
+        span("step[TARGET_VERIFY bs=1]", 2000, 100), span("cudaGraphLaunch", 2050, 20, cat="cuda_runtime", correlation=13),
+        launched("_w8a16_argmax_kernel", 2300, 100, 13), launched("_w8a8_gemm_kernel", 2400, 300, 13),
+    ]}
+    s = summarize(trace, steps=1)
+    assert s["timeline"][0] == ("scheduler.recv_requests", 0.0, pytest.approx(0.05))  # the poll at 900
+    assert [row[0] for row in s["timeline"]].count("scheduler.recv_requests") == 1
+    pre = s["prefill"]
+    assert pre["kernels"] == 4 and pre["gpu_busy_ms"] == pytest.approx(0.56)
+    assert pre["arrival_to_end_ms"] == pytest.approx(1.35) and pre["arrival_to_first_kernel_ms"] == pytest.approx(0.2)
+    assert pre["families"] == {"qflash W8A8 GEMM": pytest.approx(0.4), "norms, rotary, activations": pytest.approx(0.1),
+                               "copies and fills": pytest.approx(0.06)}
+    assert pre["top_kernels"][0] == ("_w8a8_gemm_kernel", "", 1, pytest.approx(0.4))
+    assert ("direct_copy_kernel_cuda", "aten::copy_", 1, pytest.approx(0.05)) in pre["top_kernels"]
+    table = render(s, "title", in_order=True)
+    assert "the 4 kernels launched before the first verify forward): 1.350 ms from its arrival" in table
+    assert "| `direct_copy_kernel_cuda` | `aten::copy_` | 1 | 0.0500 |" in table
+    assert summarize({"traceEvents": trace["traceEvents"][:-4]}, steps=1)["prefill"] is None  # no verify forward
+    assert summarize({"traceEvents": trace["traceEvents"][-4:]}, steps=1)["prefill"] is None  # a window of cycles

@@ -5,7 +5,8 @@ then streams one request of the given prompt length; a few cycles into its decod
 own profiler (`/start_profile`, CPU + GPU activities) records a fixed number of forward steps, each one
 DFlash draft + verify cycle. With `--prefill` the profiler starts before the request instead, so its first
 steps are recorded: the prefill (target and draft) that the time to first token is made of, with its host spans and
-stretches of GPU work listed in order; with `--cached N` too,
+stretches of GPU work listed in order from the request's arrival, and what runs before the first cycle by kernel and
+by the torch op that launched it; with `--cached N` too,
 the profiled prompt starts with the warm-up's first N tokens, so its prefill is a chat turn's: new tokens over a
 cached prefix (from the radix cache's last checkpoint at or below N, every 256 tokens on this hybrid model).
 The trace's GPU kernels are summed by family per step and by launch: each CUDA-graph replay is one group
@@ -73,7 +74,7 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # torch profiler chrome
 HOST_SPANS = r"^scheduler\.|^step\[|^copy_result_to_cpu$|^cudaGraphLaunch$"
 TOP_KERNELS = 40  # kernels listed by name: what each family is made of, e.g. torch's elementwise kernels
 TOP_GAPS, STEP_GAP_US = 12, 50  # idle gaps listed by the kernels around them; a longer one is the host between steps
-TIMELINE_ROWS = 60  # a prefill profile's first host spans and stretches of GPU work, listed in order
+TIMELINE_ROWS = 120  # a prefill profile's first host spans and stretches of GPU work, listed in order
 SKIP_CHUNKS = 4  # streamed chunks (one per scheduler step) before profiling starts: prefill and first steps excluded
 # tokens of the profiled request: room for the skipped steps and the recorded ones, a window of cycles each
 PROFILED_LEN = 4 * OUTPUT_LEN
@@ -164,19 +165,62 @@ def _span_name(event: dict) -> str:
     return re.sub(r" bs=\d+", "", event["name"])
 
 
+def arrival(events: list[dict], kernels: list[dict]) -> float:
+    """When a prefill profile's request reached the scheduler (us): the start of its last poll
+    (`scheduler.recv_requests`) before the GPU's first work; the window's first event where it polled none."""
+    first = min(e["ts"] for e in kernels)
+    polls = [e["ts"] for e in events if _host_span(e) and e["name"] == "scheduler.recv_requests" and e["ts"] <= first]
+    return max(polls) if polls else min([first, *(e["ts"] for e in events if _host_span(e))])
+
+
 def timeline(events: list[dict], kernels: list[dict]) -> list[tuple[str, float, float]]:
-    """The window in order, for a prefill: each host span and each stretch of GPU work (kernels with no idle gap of
-    STEP_GAP_US or more between them), as (what, ms from the first, ms); the first TIMELINE_ROWS. Where a time to
-    first token goes: the scheduler's steps against the GPU's work."""
-    rows, stretches = [(_span_name(e), e["ts"], e["dur"]) for e in events if _host_span(e)], []
+    """The window in order, for a prefill, from the request's `arrival` (the idle scheduler's polls before it left
+    out): each host span and each stretch of GPU work (kernels with no idle gap of STEP_GAP_US or more between them),
+    as (what, ms from the arrival, ms); the first TIMELINE_ROWS. Where a time to first token goes: the scheduler's
+    steps against the GPU's work."""
+    start = arrival(events, kernels)
+    rows = [(_span_name(e), e["ts"], e["dur"]) for e in events if _host_span(e) and e["ts"] >= start]
+    stretches = []
     for e, idle, _, reach in _in_order(kernels):
         if idle is None or idle >= STEP_GAP_US:
             stretches.append([e["ts"], 0, reach])  # [start, kernels, end]
         stretches[-1][1:] = stretches[-1][1] + 1, reach
     rows += [(f"GPU, {count} kernels", start, end - start) for start, count, end in stretches]
     rows.sort(key=lambda row: row[1])
-    first = rows[0][1]
-    return [(what, (ts - first) * 1e-3, dur * 1e-3) for what, ts, dur in rows[:TIMELINE_ROWS]]
+    return [(what, (ts - start) * 1e-3, dur * 1e-3) for what, ts, dur in rows[:TIMELINE_ROWS]]
+
+
+def prefill_step(events: list[dict], kernels: list[dict]) -> dict | None:
+    """A prefill profile's request up to its first cycle: the kernels launched before the first verify forward's host
+    span (`step[TARGET_VERIFY`) starts (the target's prefill, the drafter's context KV, the steps' glue), their GPU
+    busy time, the span from the request's `arrival` to their end, their families, and the largest of them with the
+    torch op that launched each (a kernel launched outside any op, a Triton kernel or a graph's, has none). None where
+    the window holds no verify forward."""
+    verify = [e["ts"] for e in events if _host_span(e) and e["name"].startswith("step[TARGET_VERIFY")]
+    if not verify:
+        return None
+    launched = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    ops = {e["args"]["External id"]: e["name"] for e in events if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
+    mine = [e for e in kernels if launched.get(e.get("args", {}).get("correlation"), e["ts"]) < min(verify)]
+    if not mine:
+        return None
+    own, start = own_times(mine), arrival(events, kernels)
+    families, per_kernel = {}, {}
+    for e in mine:
+        families[family(e["name"])] = families.get(family(e["name"]), 0.0) + own[id(e)]
+        key = (short_name(e["name"]), ops.get(e.get("args", {}).get("External id"), ""))
+        us, launches = per_kernel.get(key, (0.0, 0))
+        per_kernel[key] = (us + own[id(e)], launches + 1)
+    end = max(e["ts"] + e["dur"] for e in mine)
+    return {
+        "arrival_to_end_ms": (end - start) * 1e-3, "gpu_busy_ms": sum(own.values()) * 1e-3, "kernels": len(mine),
+        "arrival_to_first_kernel_ms": (min(e["ts"] for e in mine) - start) * 1e-3,
+        "families": {f: us * 1e-3 for f, us in sorted(families.items(), key=lambda kv: -kv[1])},
+        # (kernel, the op that launched it, launches, ms), the largest first
+        "top_kernels": [(name, op, launches, us * 1e-3) for (name, op), (us, launches)
+                        in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]],
+    }
 
 
 def launch_groups(events: list[dict], kernels: list[dict], own: dict[int, float]) -> dict[str, float]:
@@ -237,6 +281,7 @@ def summarize(trace: dict, steps: int) -> dict:
         "top_gaps": [(before, after, count / cycles, us / cycles) for (before, after), (count, us)
                      in sorted(gap_pairs.items(), key=lambda kv: -kv[1][1])[:TOP_GAPS]],
         "timeline": timeline(events, kernels),
+        "prefill": prefill_step(events, kernels),
     }
 
 
@@ -279,8 +324,18 @@ def render(summary: dict, title: str, family_floors: dict[str, float] | None = N
                   "cycle; the largest by the kernels around them:", "",
                   "| idle after | before | gaps per cycle | us per cycle |", "| --- | --- | ---: | ---: |"]
         lines += [f"| `{a}` | `{b}` | {n:.1f} | {us:.2f} |" for a, b, n, us in summary["top_gaps"]]
+    if in_order and summary.get("prefill"):
+        pre = summary["prefill"]
+        lines += ["", f"The request up to its first cycle (the {pre['kernels']} kernels launched before the first verify "
+                  f"forward): {pre['arrival_to_end_ms']:.3f} ms from its arrival at the scheduler to their end, the first of them "
+                  f"{pre['arrival_to_first_kernel_ms']:.3f} ms after it; GPU busy {pre['gpu_busy_ms']:.3f} ms.", "",
+                  "| kernel family | ms |", "| --- | ---: |"]
+        lines += [f"| {f} | {ms:.3f} |" for f, ms in pre["families"].items()]
+        lines += ["", "| kernel | launched by (torch op) | launches | ms |", "| --- | --- | ---: | ---: |"]
+        lines += [f"| `{n}` | {op and f'`{op}`'} | {launches} | {ms:.4f} |" for n, op, launches, ms in pre["top_kernels"]]
     if in_order:
-        lines += ["", f"In order (the first {TIMELINE_ROWS}): host spans, and stretches of GPU work between idle gaps of "
+        lines += ["", f"In order from the request's arrival (the first {TIMELINE_ROWS}): host spans, and stretches of GPU "
+                  "work between idle gaps of "
                   f"{STEP_GAP_US} us or more:", "", "| at ms | ms | what |", "| ---: | ---: | --- |"]
         lines += [f"| {at:.3f} | {ms:.3f} | {what} |" for what, at, ms in summary["timeline"]]
     return "\n".join(lines) + "\n"
