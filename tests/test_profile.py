@@ -358,5 +358,41 @@ def test_a_prefill_profile_starts_at_the_requests_arrival_and_sums_what_runs_bef
     table = render(s, "title", in_order=True)
     assert "the 4 kernels launched before the first verify forward): 1.350 ms from its arrival" in table
     assert "| `direct_copy_kernel_cuda` | `aten::copy_` | 1 | 0.0500 |" in table
+    assert pre["arrival_to_first_cycle_ms"] == pytest.approx(1.4) and pre["gpu_idle_ms"] == pytest.approx(0.84)
+    assert pre["idle_blame"] == [] and "(`--with-stack` names what the host ran)" in table
     assert summarize({"traceEvents": trace["traceEvents"][:-4]}, steps=1)["prefill"] is None  # no verify forward
     assert summarize({"traceEvents": trace["traceEvents"][-4:]}, steps=1)["prefill"] is None  # a window of cycles
+
+
+def test_with_python_stacks_the_prefill_profile_names_what_the_host_ran_while_the_gpu_idled():
+    """Each Python function's own time (its callees' left out) inside the GPU's idle gaps between the request's arrival
+    and the first cycle's first kernel: 900-1100, 1110-1300, 1800-2200 and 2250-2300 us here."""
+    def span(name, ts, dur, cat="user_annotation", tid=1, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid, "args": args}
+
+    def py(where, ts, dur, tid=1):
+        return span(f"/usr/lib/python3/site-packages/sglang/srt/{where}", ts, dur, cat="python_function", tid=tid)
+
+    trace = {"traceEvents": [
+        span("scheduler.recv_requests", 900, 50), kernel("Memcpy HtoD", 1100, 10, corr=10),
+        span("cudaMemcpyAsync", 1060, 5, cat="cuda_runtime", correlation=10),
+        span("cudaGraphLaunch", 1250, 20, cat="cuda_runtime", correlation=11),
+        kernel("_w8a8_gemm_kernel", 1300, 400, corr=11), kernel("_rms_norm_quant_kernel", 1700, 100, corr=11),
+        span("cudaLaunchKernel", 1900, 5, cat="cuda_runtime", correlation=12), kernel("direct_copy", 2200, 50, corr=12),
+        span("step[TARGET_VERIFY bs=1]", 2000, 100), span("cudaGraphLaunch", 2050, 20, cat="cuda_runtime", correlation=13),
+        kernel("_w8a16_argmax_kernel", 2300, 100, corr=13),
+        py("managers/scheduler.py(10): event_loop", 900, 1400),
+        py("managers/scheduler.py(20): get_next_batch_to_run", 1000, 150),
+        py("managers/schedule_batch.py(30): prepare_for_extend", 1050, 90),
+        py("speculative/dflash_worker_v2.py(40): forward_batch_generation", 1800, 200),
+        py("managers/detokenizer.py(50): elsewhere", 1800, 400, tid=2),  # another thread, over the same gap
+    ]}
+    pre = summarize(trace, steps=1)["prefill"]
+    assert pre["gpu_idle_ms"] == pytest.approx(0.84)
+    assert pre["idle_blame"] == [("sglang/srt/managers/scheduler.py(10): event_loop", pytest.approx(0.5)),
+                                 ("sglang/srt/managers/detokenizer.py(50): elsewhere", pytest.approx(0.4)),
+                                 ("sglang/srt/speculative/dflash_worker_v2.py(40): forward_batch_generation", pytest.approx(0.2)),
+                                 ("sglang/srt/managers/schedule_batch.py(30): prepare_for_extend", pytest.approx(0.08)),
+                                 ("sglang/srt/managers/scheduler.py(20): get_next_batch_to_run", pytest.approx(0.06))]
+    table = render(summarize(trace, steps=1), "title", in_order=True)
+    assert "| `sglang/srt/managers/schedule_batch.py(30): prepare_for_extend` | 0.080 |" in table

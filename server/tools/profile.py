@@ -5,8 +5,9 @@ then streams one request of the given prompt length; a few cycles into its decod
 own profiler (`/start_profile`, CPU + GPU activities) records a fixed number of forward steps, each one
 DFlash draft + verify cycle. With `--prefill` the profiler starts before the request instead, so its first
 steps are recorded: the prefill (target and draft) that the time to first token is made of, with its host spans and
-stretches of GPU work listed in order from the request's arrival, and what runs before the first cycle by kernel and
-by the torch op that launched it; with `--cached N` too,
+stretches of GPU work listed in order from the request's arrival, what runs before the first cycle by kernel and by
+the torch op that launched it, and how long the GPU idles before that cycle (with `--with-stack`, which Python
+functions the host ran meanwhile); with `--cached N` too,
 the profiled prompt starts with the warm-up's first N tokens, so its prefill is a chat turn's: new tokens over a
 cached prefix (from the radix cache's last checkpoint at or below N, every 256 tokens on this hybrid model).
 The trace's GPU kernels are summed by family per step and by launch: each CUDA-graph replay is one group
@@ -16,6 +17,7 @@ The window's wall time minus the busy time is the GPU waiting on the host (sched
 kernels) and the gaps between kernels; the kernels per cycle count what each cycle launches on the GPU.
 """
 
+import bisect
 import gzip
 import json
 import re
@@ -190,12 +192,64 @@ def timeline(events: list[dict], kernels: list[dict]) -> list[tuple[str, float, 
     return [(what, (ts - start) * 1e-3, dur * 1e-3) for what, ts, dur in rows[:TIMELINE_ROWS]]
 
 
+def _idle(kernels: list[dict], start: float, end: float) -> list[tuple[float, float]]:
+    """The GPU's idle intervals between `start` and `end` (us), in order."""
+    idle, cursor = [], start
+    for e, _, _, reach in _in_order(kernels):
+        if e["ts"] > cursor and cursor < end:
+            idle.append((cursor, min(e["ts"], end)))
+        cursor = max(cursor, reach)
+    if cursor < end:
+        idle.append((cursor, end))
+    return idle
+
+
+def _own_intervals(spans: list[dict]):
+    """Each span of one thread with the intervals it ran itself, its callees' left out (a thread's spans nest)."""
+    done, stack = [], []
+    for e in sorted(spans, key=lambda e: (e["ts"], -e["dur"])):
+        while stack and stack[-1][0]["ts"] + stack[-1][0]["dur"] <= e["ts"]:
+            done.append(stack.pop())
+        if stack:
+            stack[-1][1].append((e["ts"], e["ts"] + e["dur"]))
+        stack.append((e, []))
+    for e, callees in done + stack:
+        own, cursor = [], e["ts"]
+        for a, b in callees:
+            if a > cursor:
+                own.append((cursor, a))
+            cursor = max(cursor, b)
+        if cursor < e["ts"] + e["dur"]:
+            own.append((cursor, e["ts"] + e["dur"]))
+        yield e, own
+
+
+def idle_blame(events: list[dict], idle: list[tuple[float, float]]) -> list[tuple[str, float]]:
+    """With Python stacks in the trace (`--with-stack`): each Python function's own time (us) inside the GPU's `idle`
+    intervals, the most first: what the host ran while the GPU waited for it."""
+    starts = [a for a, _ in idle]
+    threads: dict[tuple, list[dict]] = {}
+    for e in events:
+        if e.get("cat") == "python_function" and "dur" in e:
+            threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    blame: dict[str, float] = {}
+    for spans in threads.values():
+        for e, own in _own_intervals(spans):
+            for a, b in own:
+                for lo, hi in idle[max(bisect.bisect_right(starts, a) - 1, 0):bisect.bisect_left(starts, b)]:
+                    if min(b, hi) > max(a, lo):
+                        name = re.sub(r"^.*?(site-packages|dist-packages)/", "", e["name"])
+                        blame[name] = blame.get(name, 0.0) + min(b, hi) - max(a, lo)
+    return sorted(blame.items(), key=lambda kv: -kv[1])
+
+
 def prefill_step(events: list[dict], kernels: list[dict]) -> dict | None:
     """A prefill profile's request up to its first cycle: the kernels launched before the first verify forward's host
     span (`step[TARGET_VERIFY`) starts (the target's prefill, the drafter's context KV, the steps' glue), their GPU
-    busy time, the span from the request's `arrival` to their end, their families, and the largest of them with the
-    torch op that launched each (a kernel launched outside any op, a Triton kernel or a graph's, has none). None where
-    the window holds no verify forward."""
+    busy time, the spans from the request's `arrival` to their end and to the first cycle's first kernel (the GPU's
+    idle time in it, and with `--with-stack` the Python functions the host ran meanwhile), their families, and the
+    largest of them with the torch op that launched each (a kernel launched outside any op, a Triton kernel or a
+    graph's, has none). None where the window holds no verify forward."""
     verify = [e["ts"] for e in events if _host_span(e) and e["name"].startswith("step[TARGET_VERIFY")]
     if not verify:
         return None
@@ -213,13 +267,18 @@ def prefill_step(events: list[dict], kernels: list[dict]) -> dict | None:
         us, launches = per_kernel.get(key, (0.0, 0))
         per_kernel[key] = (us + own[id(e)], launches + 1)
     end = max(e["ts"] + e["dur"] for e in mine)
+    ids = {id(e) for e in mine}
+    cycle = min((e["ts"] for e in kernels if id(e) not in ids), default=end)  # the first cycle's GPU work begins
+    idle = _idle(kernels, start, cycle)
     return {
         "arrival_to_end_ms": (end - start) * 1e-3, "gpu_busy_ms": sum(own.values()) * 1e-3, "kernels": len(mine),
         "arrival_to_first_kernel_ms": (min(e["ts"] for e in mine) - start) * 1e-3,
+        "arrival_to_first_cycle_ms": (cycle - start) * 1e-3, "gpu_idle_ms": sum(b - a for a, b in idle) * 1e-3,
         "families": {f: us * 1e-3 for f, us in sorted(families.items(), key=lambda kv: -kv[1])},
         # (kernel, the op that launched it, launches, ms), the largest first
         "top_kernels": [(name, op, launches, us * 1e-3) for (name, op), (us, launches)
                         in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]],
+        "idle_blame": [(name, us * 1e-3) for name, us in idle_blame(events, idle)[:TOP_KERNELS]],
     }
 
 
@@ -333,6 +392,12 @@ def render(summary: dict, title: str, family_floors: dict[str, float] | None = N
         lines += [f"| {f} | {ms:.3f} |" for f, ms in pre["families"].items()]
         lines += ["", "| kernel | launched by (torch op) | launches | ms |", "| --- | --- | ---: | ---: |"]
         lines += [f"| `{n}` | {op and f'`{op}`'} | {launches} | {ms:.4f} |" for n, op, launches, ms in pre["top_kernels"]]
+        lines += ["", f"From the arrival to the first cycle's GPU work, {pre['arrival_to_first_cycle_ms']:.3f} ms, the GPU "
+                  f"idled {pre['gpu_idle_ms']:.3f} ms" + (", while the host ran (Python functions' own time, the "
+                  "profiler's overhead in it):" if pre["idle_blame"] else " (`--with-stack` names what the host ran).")]
+        if pre["idle_blame"]:
+            lines += ["", "| Python function | ms |", "| --- | ---: |"]
+            lines += [f"| `{name}` | {ms:.3f} |" for name, ms in pre["idle_blame"]]
     if in_order:
         lines += ["", f"In order from the request's arrival (the first {TIMELINE_ROWS}): host spans, and stretches of GPU "
                   "work between idle gaps of "
@@ -430,7 +495,8 @@ def add_arguments(p) -> None:
     p.add_argument("--prefill", action="store_true", help="record the request's first steps (its prefill) instead")
     p.add_argument("--cached", type=positive_int, default=0, metavar="TOKENS",
                    help="with --prefill: the prompt's first TOKENS tokens are the warm-up's (a prefill over a cached prefix)")
-    p.add_argument("--with-stack", action="store_true", help="also record Python call stacks (host time, inflated)")
+    p.add_argument("--with-stack", action="store_true",
+                   help="also record Python call stacks (host time, inflated; with --prefill: what the host ran while the GPU idled)")
     add_speculation_args(p)
     p.add_argument("--out", type=Path, required=True, help="folder for the trace, profile.md and profile.json")
 
