@@ -146,19 +146,25 @@ def conv_rows(tokens: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(tokens, width, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
-def test_split_hands_out_views_of_contiguous_rows_in_whole_blocks():
+def test_split_hands_out_views_of_contiguous_rows_in_whole_blocks(monkeypatch):
     from sglang.kernels.ops.attention.triton_gdn_fused_proj import fused_qkv_split_gdn_prefill as sglang_split
 
+    from qflash.kernels import gdn_prefill
+    from qflash.server.hooks import gdn_input_proj
     from qflash.server.hooks.gdn_verify import _verify_reads_conv_rows
 
     rows = conv_rows(32)
     views = _verify_reads_conv_rows(sglang_split, rows, *HEADS)
     assert all(torch.equal(view, copy) for view, copy in zip(views, sglang_split(rows, *HEADS)))
     assert all(view.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr() for view in views)
-    # the eager prefill's conv output read through its transpose, and rows short of a whole block: SGLang's copies
-    for other in (rows.t().contiguous().t(), rows[:20]):
+    # a conv output read through its transpose, rows short of a whole block, and a prompt past qflash's recurrent
+    # prefill (FLA's chunks, which would copy each view apart): SGLang's copies
+    longer = conv_rows((gdn_prefill.MAX_TOKENS // 16 + 1) * 16, seed=1)
+    for other in (rows.t().contiguous().t(), rows[:20], longer):
         split = _verify_reads_conv_rows(sglang_split, other, *HEADS)
         assert all(part.is_contiguous() and torch.equal(part, copy) for part, copy in zip(split, sglang_split(other, *HEADS)))
+    monkeypatch.setattr(gdn_input_proj._Verify, "layer", object())  # a verify's rows, however many: views
+    assert not _verify_reads_conv_rows(sglang_split, longer, *HEADS)[0].is_contiguous()
 
 
 def test_the_verify_of_row_views_is_the_verify_of_copies_bit_for_bit():
@@ -184,38 +190,6 @@ def test_the_verify_of_row_views_is_the_verify_of_copies_bit_for_bit():
         return [o, *rings]
 
     assert all(map(torch.equal, verify(*views), verify(*(view.contiguous() for view in views))))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_flas_chunked_prefill_of_row_views_is_that_of_copies_gpu():
-    """A prompt over qflash's recurrent prefill's reach in the fresh-prompt graph gets views too: FLA's chunked path
-    (as server/hooks/fresh_prefill.py calls it) copies them itself and computes what it computes from the copies."""
-    from sglang.kernels.ops.attention.fla.chunk import chunk_gated_delta_rule
-    from sglang.kernels.ops.attention.triton_gdn_fused_proj import fused_qkv_split_gdn_prefill as sglang_split
-
-    from qflash.server.hooks.gdn_verify import _verify_reads_conv_rows
-    from qflash.server.preset import TEXT_CONFIG
-
-    k_heads, dk = TEXT_CONFIG["linear_num_key_heads"], TEXT_CONFIG["linear_key_head_dim"]
-    v_heads, dv = TEXT_CONFIG["linear_num_value_heads"], TEXT_CONFIG["linear_value_head_dim"]
-    heads, tokens = (k_heads, k_heads, v_heads, dk, dk, dv), 320  # Qwen3.5-4B's GDN heads
-    g = torch.Generator(device="cuda").manual_seed(3)
-    rows = torch.randn(tokens, 2 * k_heads * dk + v_heads * dv, device="cuda", generator=g).to(torch.bfloat16)
-    gate = -torch.rand(1, tokens, v_heads, device="cuda", generator=g)
-    beta = torch.rand(1, tokens, v_heads, device="cuda", generator=g)
-    state = torch.randn(3, v_heads, dv, dk, device="cuda", generator=g) * 0.1
-    slot = torch.tensor([1], device="cuda", dtype=torch.int32)
-
-    def prefill(q, k, v):
-        h0 = state.clone()
-        out = chunk_gated_delta_rule(q, k, v, gate, beta, initial_state=h0, initial_state_indices=slot,
-                                     use_qk_l2norm_in_kernel=True)
-        return [t for t in out if isinstance(t, torch.Tensor)] + [h0]
-
-    views = _verify_reads_conv_rows(sglang_split, rows, *heads)
-    assert not views[0].is_contiguous()
-    assert all(map(torch.equal, prefill(*views), prefill(*sglang_split(rows, *heads))))
 
 
 CHAIN = """

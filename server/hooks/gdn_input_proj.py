@@ -77,6 +77,11 @@ class _Verify:
     gemm = None  # (run(conv or None), the output)
 
 
+def verifying() -> bool:
+    """Whether a GDN layer with the one input GEMM runs its target-verify forward now."""
+    return _Verify.layer is not None
+
+
 def _verify_window(original, self, hidden_states, forward_batch, *args, **kwargs):
     if not (forward_batch.forward_mode.is_target_verify() and getattr(self, MERGED, None) is not None):
         return original(self, hidden_states, forward_batch, *args, **kwargs)
