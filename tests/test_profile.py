@@ -24,6 +24,9 @@ def test_kernel_names_map_to_their_families():
                   "unsigned int, long, 4, 4> >(at::native::ReduceOp<float, at::native::ArgMaxOps<float>, unsigned int, "
                   "long, 4, 4>)") == "sampling, argmax, top-k"
     assert family("chunk_gated_delta_rule_fwd_kernel_h_blockdim64") == "Gated-DeltaNet"
+    assert family("recompute_w_u_fwd_kernel") == family("l2norm_fwd_kernel") == "Gated-DeltaNet"  # FLA's prefill
+    assert family("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x256_4x1x1_cga1x1x1_kernel0_0"
+                  ) == "attention"  # torch's SDPA on cuDNN (kernels/flash_prefill.py)
     assert family("fused_recurrent_gated_delta_rule_fwd_kernel") == "Gated-DeltaNet"
     assert family("_gdn_verify_kernel") == family("_gdn_fold_kernel") == "Gated-DeltaNet"  # kernels/gdn_verify.py
     assert family("_gdn_commit_steps_kernel") == "Gated-DeltaNet"  # kernels/commit_steps.py

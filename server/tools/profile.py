@@ -40,8 +40,11 @@ FAMILIES = [
     ("qflash W8A16 lm_head", r"_w8a16_gemm_kernel"),
     ("qflash draft pick", r"_w4_scan_kernel|_w4_rescore_kernel|_w8a16_argmax_kernel"),
     ("stock int8 GEMM + quant", r"int8|_per_token_quant_int8|i8i8|s8"),
+    ("attention", r"sdpa|flash_fprop"),  # cuDNN's prefill attention, named like its GEMMs (sm90_...)
     ("bf16 GEMM (cuBLAS / CUTLASS)", r"gemm|cutlass|nvjet|xmma|sm90_|ampere_|cublas"),
-    ("Gated-DeltaNet", r"gated_delta|delta_rule|fused_recurrent|chunk_|gdn|conv1d|causal_conv|conv_update|mamba|fused_gdn"),
+    # FLA's chunked prefill: its w/u recompute and q/k l2-norm are the rule's too
+    ("Gated-DeltaNet", r"gated_delta|delta_rule|fused_recurrent|chunk_|gdn|conv1d|causal_conv|conv_update|mamba|fused_gdn"
+                       r"|recompute_w_u|l2norm"),
     # norms before attention: flashinfer's norm kernels are named flashinfer::norm::...
     ("norms, rotary, activations", r"norm|rotary|rope|silu|sigmoid_mul|gelu|act_and_mul|elementwise|vectorized|unrolled"),
     ("attention", r"attention|attn|_fwd_kernel|decode_kernel|extend|flash|_prefix_split_kernel|_merge_block_kernel"),
@@ -113,7 +116,7 @@ def graph_replays(events: list[dict], kernels: list[dict]) -> tuple[dict[str, li
     named: dict[str, list[list[dict]]] = {}
     for group in replays.values():
         names = " ".join(e["name"] for e in group)
-        target_body = re.search(FAMILIES[6][1], names, re.I) and re.search(GEMMS, names, re.I)
+        target_body = re.search(dict(FAMILIES)["Gated-DeltaNet"], names, re.I) and re.search(GEMMS, names, re.I)
         picks = re.search(r"argmax", names, re.I)
         label = ("cycle graph" if target_body and picks else "verify graph" if target_body else
                  "draft graph" if picks else "other graph")
