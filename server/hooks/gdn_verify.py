@@ -23,8 +23,8 @@ EAGLE and NGRAM only; what qflash changes for DFLASH:
   (kernels/gdn_prefill.py, up to its MAX_TOKENS) read rows through a token stride, so for those, where the conv
   output's rows are contiguous whole 16-token blocks, the split hands out views of them. A longer prefill keeps
   SGLang's split: FLA would copy views itself, one strided copy each, three launches a layer for the bytes of one
-  (4.7 ms of an 8,192-token prompt's prefill on the H100, BENCHMARKS.md 2026-12-06). gdn_backend binds the split on
-  CUDA only; elsewhere the hook binds it first, so every platform installs the same hooks.
+  (BENCHMARKS.md, 2026-12-06). gdn_backend binds the split on CUDA only; elsewhere the hook binds it first, so every
+  platform installs the same hooks.
 Retire when SGLang runs ReplaySSM under DFLASH with a block-solved verify, per-batch GDN fold tiles, a
 block-at-once conv update and a split its verify kernels need not copy.
 """
@@ -102,9 +102,9 @@ def _verify_reads_conv_rows(original, mixed_qkv, num_q_heads, num_k_heads, num_v
     from qflash.kernels.gdn_verify import BLOCK_STEPS
 
     widths = [num_q_heads * head_q, num_k_heads * head_k, num_v_heads * head_v]
-    rows = mixed_qkv.shape[0]
-    strided_reader = gdn_input_proj.verifying() or rows <= gdn_prefill.MAX_TOKENS  # else FLA's chunks, which copy
-    if not strided_reader or mixed_qkv.stride(-1) != 1 or rows % BLOCK_STEPS or mixed_qkv.shape[-1] != sum(widths):
+    tokens = mixed_qkv.shape[0]
+    strided_reader = gdn_input_proj.verifying() or tokens <= gdn_prefill.MAX_TOKENS  # else FLA's chunks, which copy
+    if not strided_reader or mixed_qkv.stride(-1) != 1 or tokens % BLOCK_STEPS or mixed_qkv.shape[-1] != sum(widths):
         return original(mixed_qkv, num_q_heads, num_k_heads, num_v_heads, head_q, head_k, head_v)
     heads = zip(mixed_qkv.split(widths, dim=-1), ((num_q_heads, head_q), (num_k_heads, head_k), (num_v_heads, head_v)))
     return tuple(rows.unflatten(-1, shape)[None] for rows, shape in heads)  # [1, T, heads, dim], a token's row apart
