@@ -6,8 +6,15 @@ from qflash.server.cli import parser
 from qflash.server.tools.profile import family, launch_groups, own_times, render, short_name, summarize
 
 
-def kernel(name, ts, dur, cat="kernel", corr=None):
-    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": {} if corr is None else {"correlation": corr}}
+def kernel(name, ts, dur, cat="kernel", corr=None, ext=None):
+    """A GPU event; `corr`: its launch's correlation id; `ext`: the torch op's External id that launched it."""
+    args = ({} if corr is None else {"correlation": corr}) | ({} if ext is None else {"External id": ext})
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
+
+
+def span(name, ts, dur, cat="user_annotation", tid=1, **args):
+    """A host event of the scheduler process's thread `tid`: an annotation, a runtime call, an op or a Python call."""
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid, "args": args}
 
 
 def runtime(name, corr):
@@ -192,15 +199,12 @@ def test_the_gpu_time_per_cycle_counts_the_verify_graphs_a_step_replays():
 
 
 def test_host_spans_are_summed_per_step():
-    def span(name, dur, cat="user_annotation"):
-        return {"ph": "X", "cat": cat, "name": name, "ts": 0, "dur": dur}
-
     trace = {"traceEvents": [
         kernel("_w8a8_gemm_kernel", 0, 10),
-        span("scheduler.run_batch", 6000), span("scheduler.run_batch", 5000),
-        span("step[TARGET_VERIFY bs=1]", 1000), span("step[TARGET_VERIFY bs=3]", 800),  # batch sizes summed together
-        span("cudaGraphLaunch", 300, cat="cuda_runtime"), span("cudaLaunchKernel", 5, cat="cuda_runtime"),
-        span("aten::mm", 70, cat="cpu_op"),  # ops are not host spans
+        span("scheduler.run_batch", 0, 6000), span("scheduler.run_batch", 0, 5000),
+        span("step[TARGET_VERIFY bs=1]", 0, 1000), span("step[TARGET_VERIFY bs=3]", 0, 800),  # batch sizes summed together
+        span("cudaGraphLaunch", 0, 300, cat="cuda_runtime"), span("cudaLaunchKernel", 0, 5, cat="cuda_runtime"),
+        span("aten::mm", 0, 70, cat="cpu_op"),  # ops are not host spans
     ]}
     s = summarize(trace, steps=2)
     assert s["host"] == {"scheduler.run_batch": pytest.approx(5.5), "step[TARGET_VERIFY]": pytest.approx(0.9),
@@ -209,9 +213,6 @@ def test_host_spans_are_summed_per_step():
 
 
 def test_a_prefill_profile_lists_host_spans_and_stretches_of_gpu_work_in_order():
-    def span(name, ts, dur, cat="user_annotation"):
-        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
-
     trace = {"traceEvents": [
         span("scheduler.recv_requests", 1000, 200), span("scheduler.run_batch", 1300, 900),
         span("step[EXTEND bs=1]", 1400, 700), span("cudaGraphLaunch", 1500, 100, cat="cuda_runtime"),
@@ -329,24 +330,18 @@ def test_a_prefill_profile_starts_at_the_requests_arrival_and_sums_what_runs_bef
     """The scheduler polls while idle before the request comes (left out of the timeline); the kernels launched before
     the first verify forward are the request's way to its first cycle, one GPU behind its launches included, each
     eager kernel named with the torch op that launched it."""
-    def span(name, ts, dur, cat="user_annotation", **args):
-        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
-
-    def launched(name, ts, dur, corr, ext=None):
-        return {**kernel(name, ts, dur, corr=corr), "args": {"correlation": corr, **({"External id": ext} if ext else {})}}
-
     trace = {"traceEvents": [
         *(span("scheduler.recv_requests", ts, 50) for ts in (0, 300, 600, 900)),  # the last poll gets the request
         span("scheduler.get_next_batch_to_run", 1000, 150), span("aten::copy_", 1050, 20, cat="cpu_op", **{"External id": 5}),
         span("cudaMemcpyAsync", 1060, 5, cat="cuda_runtime", correlation=10, **{"External id": 5}),
-        launched("Memcpy HtoD (Pageable -> Device)", 1100, 10, 10, ext=5),
+        kernel("Memcpy HtoD (Pageable -> Device)", 1100, 10, corr=10, ext=5),
         span("step[EXTEND toks=64]", 1200, 300), span("cudaGraphLaunch", 1250, 20, cat="cuda_runtime", correlation=11),
-        launched("_w8a8_gemm_kernel", 1300, 400, 11), launched("_rms_norm_quant_kernel", 1700, 100, 11),
+        kernel("_w8a8_gemm_kernel", 1300, 400, corr=11), kernel("_rms_norm_quant_kernel", 1700, 100, corr=11),
         span("aten::copy_", 1880, 20, cat="cpu_op", **{"External id": 6}),
         span("cudaLaunchKernel", 1900, 5, cat="cuda_runtime", correlation=12, **{"External id": 6}),
-        launched("direct_copy_kernel_cuda", 2200, 50, 12, ext=6),  # launched before the verify, run after it began
+        kernel("direct_copy_kernel_cuda", 2200, 50, corr=12, ext=6),  # launched before the verify, run after it began
         span("step[TARGET_VERIFY bs=1]", 2000, 100), span("cudaGraphLaunch", 2050, 20, cat="cuda_runtime", correlation=13),
-        launched("_w8a16_argmax_kernel", 2300, 100, 13), launched("_w8a8_gemm_kernel", 2400, 300, 13),
+        kernel("_w8a16_argmax_kernel", 2300, 100, corr=13), kernel("_w8a8_gemm_kernel", 2400, 300, corr=13),
     ]}
     s = summarize(trace, steps=1)
     assert s["timeline"][0] == ("scheduler.recv_requests", 0.0, pytest.approx(0.05))  # the poll at 900
@@ -370,9 +365,6 @@ def test_a_prefill_profile_starts_at_the_requests_arrival_and_sums_what_runs_bef
 def test_with_python_stacks_the_prefill_profile_names_what_the_host_ran_while_the_gpu_idled():
     """Each Python function's own time (its callees' left out) inside the GPU's idle gaps between the request's arrival
     and the first cycle's first kernel: 900-1100, 1110-1300, 1800-2200 and 2250-2300 us here."""
-    def span(name, ts, dur, cat="user_annotation", tid=1, **args):
-        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid, "args": args}
-
     def py(where, ts, dur, tid=1):
         return span(f"/usr/lib/python3/site-packages/sglang/srt/{where}", ts, dur, cat="python_function", tid=tid)
 

@@ -170,27 +170,27 @@ def _span_name(event: dict) -> str:
     return re.sub(r" bs=\d+", "", event["name"])
 
 
-def arrival(events: list[dict], kernels: list[dict]) -> float:
+def arrival(spans: list[dict], kernels: list[dict]) -> float:
     """When a prefill profile's request reached the scheduler (us): the start of its last poll
-    (`scheduler.recv_requests`) before the GPU's first work; the window's first event where it polled none."""
+    (`scheduler.recv_requests`) before the GPU's first work; the window's first event where it polled none. `spans`:
+    the trace's host spans (`_host_span`)."""
     first = min(e["ts"] for e in kernels)
-    polls = [e["ts"] for e in events if _host_span(e) and e["name"] == "scheduler.recv_requests" and e["ts"] <= first]
-    return max(polls) if polls else min([first, *(e["ts"] for e in events if _host_span(e))])
+    polls = [e["ts"] for e in spans if e["name"] == "scheduler.recv_requests" and e["ts"] <= first]
+    return max(polls) if polls else min([first, *(e["ts"] for e in spans)])
 
 
-def timeline(events: list[dict], kernels: list[dict]) -> list[tuple[str, float, float]]:
-    """The window in order, for a prefill, from the request's `arrival` (the idle scheduler's polls before it left
-    out): each host span and each stretch of GPU work (kernels with no idle gap of STEP_GAP_US or more between them),
-    as (what, ms from the arrival, ms); the first TIMELINE_ROWS. Where a time to first token goes: the scheduler's
-    steps against the GPU's work."""
-    start = arrival(events, kernels)
-    rows = [(_span_name(e), e["ts"], e["dur"]) for e in events if _host_span(e) and e["ts"] >= start]
+def timeline(spans: list[dict], kernels: list[dict], start: float) -> list[tuple[str, float, float]]:
+    """The window in order, for a prefill, from the request's arrival at `start` (the idle scheduler's polls before it
+    left out): each host span and each stretch of GPU work (kernels with no idle gap of STEP_GAP_US or more between
+    them), as (what, ms from the arrival, ms); the first TIMELINE_ROWS. Where a time to first token goes: the
+    scheduler's steps against the GPU's work."""
+    rows = [(_span_name(e), e["ts"], e["dur"]) for e in spans if e["ts"] >= start]
     stretches = []
     for e, idle, _, reach in _in_order(kernels):
         if idle is None or idle >= STEP_GAP_US:
             stretches.append([e["ts"], 0, reach])  # [start, kernels, end]
         stretches[-1][1:] = stretches[-1][1] + 1, reach
-    rows += [(f"GPU, {count} kernels", start, end - start) for start, count, end in stretches]
+    rows += [(f"GPU, {count} kernels", at, end - at) for at, count, end in stretches]
     rows.sort(key=lambda row: row[1])
     return [(what, (ts - start) * 1e-3, dur * 1e-3) for what, ts, dur in rows[:TIMELINE_ROWS]]
 
@@ -246,26 +246,27 @@ def idle_blame(events: list[dict], idle: list[tuple[float, float]]) -> list[tupl
     return sorted(blame.items(), key=lambda kv: -kv[1])
 
 
-def prefill_step(events: list[dict], kernels: list[dict]) -> dict | None:
+def prefill_step(events: list[dict], spans: list[dict], kernels: list[dict], start: float) -> dict | None:
     """A prefill profile's request up to its first cycle: the kernels launched before the first verify forward's host
     span (`step[TARGET_VERIFY`) starts (the target's prefill, the drafter's context KV, the steps' glue), their GPU
     busy time, the spans from the request's `arrival` to their end and to the first cycle's first kernel (the GPU's
     idle time in it, and with `--with-stack` the Python functions the host ran meanwhile), their families, and the
     largest of them with the torch op that launched each (a kernel launched outside any op, a Triton kernel or a
-    graph's, has none). None where the window holds no verify forward."""
-    verify = [e["ts"] for e in events if _host_span(e) and e["name"].startswith("step[TARGET_VERIFY")]
-    if not verify:
+    graph's, has none). `spans`: the host spans; `start`: the arrival. None where the window holds no verify
+    forward."""
+    verify = min((e["ts"] for e in spans if e["name"].startswith("step[TARGET_VERIFY")), default=None)
+    if verify is None:
         return None
     launched = {e["args"]["correlation"]: e["ts"] for e in events
                 if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
     ops = {e["args"]["External id"]: e["name"] for e in events if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
-    mine = [e for e in kernels if launched.get(e.get("args", {}).get("correlation"), e["ts"]) < min(verify)]
+    mine = [e for e in kernels if launched.get(e.get("args", {}).get("correlation"), e["ts"]) < verify]
     if not mine:
         return None
-    own, start = own_times(mine), arrival(events, kernels)
-    families, per_kernel = {}, {}
+    own, families, per_kernel = own_times(mine), {}, {}
     for e in mine:
-        families[family(e["name"])] = families.get(family(e["name"]), 0.0) + own[id(e)]
+        name = family(e["name"])
+        families[name] = families.get(name, 0.0) + own[id(e)]
         key = (short_name(e["name"]), ops.get(e.get("args", {}).get("External id"), ""))
         us, launches = per_kernel.get(key, (0.0, 0))
         per_kernel[key] = (us + own[id(e)], launches + 1)
@@ -315,9 +316,10 @@ def summarize(trace: dict, steps: int) -> dict:
         short = short_name(e["name"])
         us, launches, _ = per_kernel.get(short, (0.0, 0, name))
         per_kernel[short] = (us + own[id(e)], launches + 1, name)
-    host = {}
-    for e in filter(_host_span, events):
+    host, spans = {}, [e for e in events if _host_span(e)]
+    for e in spans:
         host[_span_name(e)] = host.get(_span_name(e), 0.0) + e["dur"]
+    arrived = arrival(spans, kernels)  # a prefill profile's request
     ms = 1e-3 / steps
     named = graph_replays(events, kernels)[0]
     cycles = len(named.get("verify graph", ())) + len(named.get("cycle graph", ())) or steps  # a window: several a step
@@ -342,8 +344,8 @@ def summarize(trace: dict, steps: int) -> dict:
         # (kernel before, kernel after, gaps per cycle, us per cycle), the largest first
         "top_gaps": [(before, after, count / cycles, us / cycles) for (before, after), (count, us)
                      in sorted(gap_pairs.items(), key=lambda kv: -kv[1][1])[:TOP_GAPS]],
-        "timeline": timeline(events, kernels),
-        "prefill": prefill_step(events, kernels),
+        "timeline": timeline(spans, kernels, arrived),
+        "prefill": prefill_step(events, spans, kernels, arrived),
     }
 
 
