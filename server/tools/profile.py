@@ -208,36 +208,41 @@ def _idle(kernels: list[dict], start: float, end: float) -> list[tuple[float, fl
 
 
 def _own_intervals(spans: list[dict]):
-    """Each span of one thread with the intervals it ran itself, its callees' left out (a thread's spans nest)."""
-    done, stack = [], []
+    """Each span of one thread with the intervals it ran itself, its callees' left out (a thread's spans nest). A span
+    ends by its caller's end at the latest: the profiler's Python tracer can leave a C function's span open past its
+    caller's return (a custom op's, 50 ms long inside a 0.5 ms call, in a served trace)."""
+    done, stack = [], []  # [span, its end, its callees' (start, end)]
     for e in sorted(spans, key=lambda e: (e["ts"], -e["dur"])):
-        while stack and stack[-1][0]["ts"] + stack[-1][0]["dur"] <= e["ts"]:
+        while stack and stack[-1][1] <= e["ts"]:
             done.append(stack.pop())
+        end = e["ts"] + e["dur"] if not stack else min(e["ts"] + e["dur"], stack[-1][1])
         if stack:
-            stack[-1][1].append((e["ts"], e["ts"] + e["dur"]))
-        stack.append((e, []))
-    for e, callees in done + stack:
+            stack[-1][2].append((e["ts"], end))
+        stack.append((e, end, []))
+    for e, end, callees in done + stack:
         own, cursor = [], e["ts"]
         for a, b in callees:
             if a > cursor:
                 own.append((cursor, a))
             cursor = max(cursor, b)
-        if cursor < e["ts"] + e["dur"]:
-            own.append((cursor, e["ts"] + e["dur"]))
+        if cursor < end:
+            own.append((cursor, end))
         yield e, own
 
 
-def idle_blame(events: list[dict], idle: list[tuple[float, float]]) -> list[tuple[str, float]]:
+def idle_blame(events: list[dict], idle: list[tuple[float, float]], spans: list[dict]) -> list[tuple[str, float]]:
     """With Python stacks in the trace (`--with-stack`): each Python function's own time (us) inside the GPU's `idle`
-    intervals, the most first: what the host ran while the GPU waited for it."""
+    intervals, the most first: what the host ran while the GPU waited for it. Only the threads of the scheduler's
+    `spans`: the server's other threads wait for work meanwhile."""
     starts = [a for a, _ in idle]
+    scheduler = {(e.get("pid"), e.get("tid")) for e in spans}
     threads: dict[tuple, list[dict]] = {}
     for e in events:
-        if e.get("cat") == "python_function" and "dur" in e:
+        if e.get("cat") == "python_function" and "dur" in e and (e.get("pid"), e.get("tid")) in scheduler:
             threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
     blame: dict[str, float] = {}
-    for spans in threads.values():
-        for e, own in _own_intervals(spans):
+    for thread in threads.values():
+        for e, own in _own_intervals(thread):
             for a, b in own:
                 for lo, hi in idle[max(bisect.bisect_right(starts, a) - 1, 0):bisect.bisect_left(starts, b)]:
                     if min(b, hi) > max(a, lo):
@@ -282,7 +287,7 @@ def prefill_step(events: list[dict], spans: list[dict], kernels: list[dict], sta
         # (kernel, the op that launched it, launches, ms), the largest first
         "top_kernels": [(name, op, launches, us * 1e-3) for (name, op), (us, launches)
                         in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]],
-        "idle_blame": [(name, us * 1e-3) for name, us in idle_blame(events, idle)[:TOP_KERNELS]],
+        "idle_blame": [(name, us * 1e-3) for name, us in idle_blame(events, idle, spans)[:TOP_KERNELS]],
     }
 
 
