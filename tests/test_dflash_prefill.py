@@ -1,6 +1,6 @@
-"""The DFLASH prefill step without the wait (server/hooks/dflash_prefill.py): on the CPU, the same calls with the
-same values as SGLang's own extend branch, which runs on the same stand-in worker beside it; on the GPU, no
-synchronizing CUDA call on the way."""
+"""The DFLASH prefill step without the wait (server/hooks/dflash_prefill.py): the same calls with the same values as
+SGLang's own extend branch, which runs on the same stand-in worker beside it; on the GPU, no synchronizing CUDA call
+on the way (where SGLang's own makes one)."""
 
 from types import SimpleNamespace
 
@@ -77,7 +77,8 @@ def hooked(self, batch, **kwargs):
 
 @pytest.mark.parametrize("backend", ["triton", "torch_native"])  # SGLang's two position paths
 def test_the_step_makes_sglangs_calls_with_sglangs_values(backend):
-    theirs, ours = run(sglang, "cpu", backend, prefill("cpu")), run(hooked, "cpu", backend, prefill("cpu"))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs CPU tensors only in its interpreter
+    theirs, ours = run(sglang, device, backend, prefill(device)), run(hooked, device, backend, prefill(device))
     assert [name for name, _ in ours[0]] == [name for name, _ in theirs[0]] == ["validated", "target", "drafter kv"]
     assert ours[0][1] == theirs[0][1]
     kv, sglang_kv = ours[0][2][1], theirs[0][2][1]

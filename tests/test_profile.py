@@ -340,6 +340,8 @@ def test_a_prefill_profile_starts_at_the_requests_arrival_and_sums_what_runs_bef
         span("aten::copy_", 1880, 20, cat="cpu_op", **{"External id": 6}),
         span("cudaLaunchKernel", 1900, 5, cat="cuda_runtime", correlation=12, **{"External id": 6}),
         kernel("direct_copy_kernel_cuda", 2200, 50, corr=12, ext=6),  # launched before the verify, run after it began
+        span("cuLaunchKernelEx", 1950, 5, cat="cuda_driver", correlation=14),  # Triton launches through the driver
+        kernel("chunk_fwd_kernel_o", 2250, 50, corr=14),
         span("step[TARGET_VERIFY bs=1]", 2000, 100), span("cudaGraphLaunch", 2050, 20, cat="cuda_runtime", correlation=13),
         kernel("_w8a16_argmax_kernel", 2300, 100, corr=13), kernel("_w8a8_gemm_kernel", 2400, 300, corr=13),
     ]}
@@ -347,16 +349,16 @@ def test_a_prefill_profile_starts_at_the_requests_arrival_and_sums_what_runs_bef
     assert s["timeline"][0] == ("scheduler.recv_requests", 0.0, pytest.approx(0.05))  # the poll at 900
     assert [row[0] for row in s["timeline"]].count("scheduler.recv_requests") == 1
     pre = s["prefill"]
-    assert pre["kernels"] == 4 and pre["gpu_busy_ms"] == pytest.approx(0.56)
-    assert pre["arrival_to_end_ms"] == pytest.approx(1.35) and pre["arrival_to_first_kernel_ms"] == pytest.approx(0.2)
+    assert pre["kernels"] == 5 and pre["gpu_busy_ms"] == pytest.approx(0.61)
+    assert pre["arrival_to_end_ms"] == pytest.approx(1.4) and pre["arrival_to_first_kernel_ms"] == pytest.approx(0.2)
     assert pre["families"] == {"qflash W8A8 GEMM": pytest.approx(0.4), "norms, rotary, activations": pytest.approx(0.1),
-                               "copies and fills": pytest.approx(0.06)}
+                               "copies and fills": pytest.approx(0.06), "Gated-DeltaNet": pytest.approx(0.05)}
     assert pre["top_kernels"][0] == ("_w8a8_gemm_kernel", "", 1, pytest.approx(0.4))
     assert ("direct_copy_kernel_cuda", "aten::copy_", 1, pytest.approx(0.05)) in pre["top_kernels"]
     table = render(s, "title", in_order=True)
-    assert "the 4 kernels launched before the first verify forward): 1.350 ms from its arrival" in table
+    assert "the 5 kernels launched before the first verify forward): 1.400 ms from its arrival" in table
     assert "| `direct_copy_kernel_cuda` | `aten::copy_` | 1 | 0.0500 |" in table
-    assert pre["arrival_to_first_cycle_ms"] == pytest.approx(1.4) and pre["gpu_idle_ms"] == pytest.approx(0.84)
+    assert pre["arrival_to_first_cycle_ms"] == pytest.approx(1.4) and pre["gpu_idle_ms"] == pytest.approx(0.79)
     assert pre["idle_blame"] == [] and "(`--with-stack` names what the host ran)" in table
     assert summarize({"traceEvents": trace["traceEvents"][:-4]}, steps=1)["prefill"] is None  # no verify forward
     assert summarize({"traceEvents": trace["traceEvents"][-4:]}, steps=1)["prefill"] is None  # a window of cycles

@@ -263,7 +263,7 @@ def prefill_step(events: list[dict], spans: list[dict], kernels: list[dict], sta
     if verify is None:
         return None
     launched = {e["args"]["correlation"]: e["ts"] for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}  # Triton: driver
     ops = {e["args"]["External id"]: e["name"] for e in events if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
     mine = [e for e in kernels if launched.get(e.get("args", {}).get("correlation"), e["ts"]) < verify]
     if not mine:
