@@ -288,6 +288,49 @@ def test_each_replay_first_copies_the_live_batchs_tracking_where_the_graph_reads
     assert buffers.mask.tolist() == [False] and hook._live.batch is None  # the runner's batch is let go after
 
 
+@pytest.mark.parametrize("batch, bucket, replays, expected", [
+    (prefill(), 64, True, ["prepared", "whole"]),  # nothing of SGLang's metadata
+    (prefill(), 64, False, ["prepared", "metadata", "breakable"]),  # the whole graph declined: made before the breakable
+    (prefill(), 4096, True, ["metadata", "prepared", "breakable"]),  # no whole graph for the bucket
+    (prefill(bs=2), 64, True, ["metadata", "prepared", "breakable"]),  # not a fresh prompt
+])
+def test_sglangs_attention_metadata_is_made_only_for_the_breakable_graph(graphs, monkeypatch, batch, bucket, replays,
+                                                                         expected):
+    backend, key = Backend(), ShapeKey(size=bucket)
+    runner = SimpleNamespace(backend=backend)  # the prefill runner: its breakable graph backend
+    capture(backend, ShapeKey(size=64))
+    backend._outputs[key] = "whole"
+    if not replays:
+        monkeypatch.setattr(fresh_prefill, "replay", lambda key, graphed=True: False)
+    events = []
+
+    def metadata(runner_, forward_batch, static_forward_batch, num_tokens):
+        assert (runner_, static_forward_batch, num_tokens) == (runner, batch, bucket)
+        events.append("metadata")
+
+    def execute(runner_, forward_batch):  # the runner's execute: load_batch's metadata, then the backend's replay
+        hook._metadata_unless_whole(metadata, runner_, forward_batch, batch, bucket)
+        events.append("prepared")
+        out = hook._replay_whole(lambda *args: "breakable", backend, key, batch)
+        return events.append(out)
+
+    hook._remember_live_batch(execute, runner, live_batch(False))
+    assert events == expected and hook._live.metadata is None
+
+
+def test_put_off_metadata_does_not_outlive_its_forward(graphs):
+    backend = Backend()
+    capture(backend, ShapeKey(size=64))
+
+    def failing(runner, forward_batch):
+        hook._metadata_unless_whole(lambda *args: pytest.fail("made"), runner, forward_batch, prefill(), 64)
+        raise RuntimeError("the forward failed before its replay")
+
+    with pytest.raises(RuntimeError):
+        hook._remember_live_batch(failing, SimpleNamespace(backend=backend), live_batch(False))
+    assert hook._live.metadata is None
+
+
 def test_the_switch_replays_the_breakable_graph(graphs, caplog):
     capture(Backend(), ShapeKey(size=64))
     key = next(iter(fresh_prefill.GRAPHS))

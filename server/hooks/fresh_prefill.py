@@ -10,7 +10,9 @@ is captured once more with its Gated-DeltaNet and attention layers in line, and 
   instead (the checkpoint from qflash's own, `track_buffers`), with the bucket's padding made inert (zero q, k, v,
   beta and log-decay past the prompt).
 - replay: a bucket with such a graph replays it for one request with no cached prefix; every other prefill keeps
-  the breakable graph.
+  the breakable graph. SGLang's attention metadata for the replay (the linear-attention backend's with its host
+  syncs, the full-attention backend's), which only the breakable graph's eager layers read, is put off until a
+  replay falls back to the breakable graph.
 Retire when SGLang's prefill graphs hold the linear-attention and attention layers of a plain prompt.
 """
 
@@ -40,7 +42,8 @@ def plain_prompt(batch) -> bool:
             and list(batch.extend_prefix_lens_cpu or ()) == [0] and not any(batch.mm_inputs or ()))
 
 
-_live = SimpleNamespace(batch=None)  # the forward batch the prefill runner is executing now
+# the forward batch the prefill runner is executing now, and its attention metadata where it was put off
+_live = SimpleNamespace(batch=None, metadata=None)
 _TRACK: dict = {}  # device -> the whole graphs' copy of the live batch's tracking (`track_buffers`)
 
 
@@ -49,7 +52,14 @@ def _remember_live_batch(original, self, forward_batch, **kwargs):
     try:
         return original(self, forward_batch, **kwargs)
     finally:
-        _live.batch = None
+        _live.batch = _live.metadata = None
+
+
+def _metadata_unless_whole(original, self, forward_batch, static_forward_batch, num_tokens):
+    if plain_prompt(static_forward_batch) and (id(self.backend), num_tokens) in fresh_prefill.GRAPHS:
+        _live.metadata = lambda: original(self, forward_batch, static_forward_batch, num_tokens)
+        return None
+    return original(self, forward_batch, static_forward_batch, num_tokens)
 
 
 def track_buffers(device) -> SimpleNamespace:
@@ -82,6 +92,9 @@ def _replay_whole(original, self, shape_key, static_forward_batch, **kwargs):
         load_track(_live.batch, track_buffers(static_forward_batch.input_ids.device))
         if fresh_prefill.replay(key, graphed=True):
             return self._outputs[shape_key]
+    if _live.metadata is not None:  # put off for a whole graph that did not replay: the breakable one reads it
+        put_off, _live.metadata = _live.metadata, None
+        put_off()
     return original(self, shape_key, static_forward_batch, **kwargs)
 
 
@@ -152,9 +165,10 @@ def _gdn_extend(original, self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
 
 
 BACKEND = "sglang.srt.model_executor.runner_backend.breakable_cuda_graph_backend.BreakableCudaGraphBackend."
+RUNNER = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner."
 CHANGES = [
-    Hook("sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.execute",
-         _remember_live_batch, "AROUND"),
+    Hook(RUNNER + "execute", _remember_live_batch, "AROUND"),
+    Hook(RUNNER + "_prepare_forward_metadata_for_replay", _metadata_unless_whole, "AROUND"),
     Hook(BACKEND + "capture_one", _capture_whole_too, "AROUND"),
     Hook(BACKEND + "replay", _replay_whole, "AROUND"),
     Hook("sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend.forward_extend", _gdn_extend, "AROUND"),
