@@ -110,17 +110,22 @@ def test_a_window_chains_its_cycles_and_hands_the_scheduler_one_row_per_request(
 
 
 def grammar_batch(**kw):
+    """A step's batch; `in_flight`: what the last step left on its draft input (None: a prefill left it)."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    return SimpleNamespace(spec_info=SimpleNamespace(**{window.PLANNED: kw.pop("planned", 4)}), forward_mode=kw.pop("mode", ForwardMode.DECODE),
+    in_flight = kw.pop("in_flight", 1)
+    spec_info = SimpleNamespace(**{window.PLANNED: kw.pop("planned", 4)},
+                                **({} if in_flight is None else {window.IN_FLIGHT: in_flight}))
+    return SimpleNamespace(spec_info=spec_info, forward_mode=kw.pop("mode", ForwardMode.DECODE),
                            is_extend_in_batch=False, has_grammar=kw.pop("grammar", False), return_logprob=False)
 
 
-@pytest.mark.parametrize("case", ["planned one", "grammar", "prefill", "idle"])
+@pytest.mark.parametrize("case", ["planned one", "grammar", "grammar after a prefill", "prefill", "idle"])
 def test_steps_that_cannot_run_a_window_run_sglangs_own_cycle(case, monkeypatch):
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    b = grammar_batch(planned=1 if case == "planned one" else 4, grammar=case == "grammar",
+    b = grammar_batch(planned=1 if case == "planned one" else 4, grammar=case.startswith("grammar"),
+                      in_flight=None if case.endswith("after a prefill") else 1,
                       mode={"prefill": ForwardMode.EXTEND, "idle": ForwardMode.IDLE}.get(case, ForwardMode.DECODE))
     calls, one_cycle = [], SimpleNamespace(next_draft_input=SimpleNamespace())
     monkeypatch.setattr(window, "run_window", lambda *a, **k: pytest.fail("ran a window"))
@@ -128,10 +133,12 @@ def test_steps_that_cannot_run_a_window_run_sglangs_own_cycle(case, monkeypatch)
     assert got is one_cycle and calls == [(("worker", b), {"on_publish": "p", "grammar_barrier": None})]
 
 
-def test_a_planned_window_runs_as_planned(monkeypatch):
-    b = grammar_batch(planned=3)
+@pytest.mark.parametrize("planned, in_flight", [(3, 1), (3, None), (1, None)])  # None: the first step after a prefill
+def test_a_planned_window_runs_as_planned(monkeypatch, planned, in_flight):
+    """Windows, and the one cycle after a prefill, run through the cycle graphs (run_window's cycle)."""
+    b = grammar_batch(planned=planned, in_flight=in_flight)
     monkeypatch.setattr(window, "run_window", lambda cycle, worker, batch, cycles, **k: ("window", cycles, k))
-    assert multi_cycle._window_step(lambda *a, **k: None, "w", b, on_publish="p") == ("window", 3, {"on_publish": "p", "grammar_barrier": None})
+    assert multi_cycle._window_step(lambda *a, **k: None, "w", b, on_publish="p") == ("window", planned, {"on_publish": "p", "grammar_barrier": None})
 
 
 def prepared_batch(reqs):

@@ -3,7 +3,10 @@
 - the worker's step runs a planned window of cycles instead of one (`forward_batch_generation`), each through its
   CUDA graph where it has one (server/hooks/cycle_graphs.py). The first decode step after a prefill runs one
   cycle: the scheduler streams the prefill's token once it has launched the next step, so a window there would
-  hold the first token back by the host time of the whole window's launch;
+  hold the first token back by the host time of the whole window's launch. That cycle too replays its graph: run
+  as SGLang's (its draft and verify forwards each building their batch and metadata, the glue between them
+  eager) its launch held the first token back by several ms, and the GPU idled between its forwards. Other steps
+  planned to one cycle (a request's last, the test plugin's `one_cycle_per_step` reference) run SGLang's own;
 - KV slots: SGLang reserves each request's `committed + 2 x 16` slots ahead of the decode step (the step in flight,
   whose commits the host has not seen, and the next), inline in `DFlashDraftInputV2.prepare_for_decode`. A window
   needs `committed + 16 x (cycles in flight + cycles next)`: the window is planned there, and SGLang's reservation
@@ -30,7 +33,8 @@ def _window_step(original, self, batch, on_publish=None, grammar_barrier=None):
     mode = batch.forward_mode
     if mode.is_extend() or mode.is_idle() or batch.is_extend_in_batch:
         return original(self, batch, on_publish=on_publish, grammar_barrier=grammar_barrier)
-    if cycles <= 1 or window.needs_host_between_cycles(batch):
+    after_prefill = getattr(batch.spec_info, window.IN_FLIGHT, None) is None  # what the last step left on its input
+    if window.needs_host_between_cycles(batch) or cycles <= 1 and not after_prefill:
         result = original(self, batch, on_publish=on_publish, grammar_barrier=grammar_barrier)
         setattr(result.next_draft_input, window.IN_FLIGHT, 1)  # a decode step in flight, not a prefill
         return result
