@@ -179,7 +179,8 @@ def fresh_prefill_off(kw: dict) -> dict:
 
 
 def window_of(cycles: int):
-    """Not a fault: the window planner allows at most `cycles` per step (1: as SGLang runs, the windows' reference)."""
+    """Not a fault: the window planner allows at most `cycles` per step (1: as SGLang runs after each request's first
+    decode step, which replays its cycle graph either way; the windows' reference)."""
     def switch(kw: dict) -> dict:
         kw["limit"] = min(kw["limit"], cycles)
         return kw
