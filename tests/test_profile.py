@@ -356,12 +356,27 @@ def test_a_prefill_profile_starts_at_the_requests_arrival_and_sums_what_runs_bef
     assert pre["top_kernels"][0] == ("_w8a8_gemm_kernel", "", 1, pytest.approx(0.4))
     assert ("direct_copy_kernel_cuda", "aten::copy_", 1, pytest.approx(0.05)) in pre["top_kernels"]
     table = render(s, "title", in_order=True)
-    assert "the 5 kernels launched before the first verify forward): 1.400 ms from its arrival" in table
+    assert "the 5 kernels launched before the first cycle's verify or graph): 1.400 ms from its arrival" in table
     assert "| `direct_copy_kernel_cuda` | `aten::copy_` | 1 | 0.0500 |" in table
     assert pre["arrival_to_first_cycle_ms"] == pytest.approx(1.4) and pre["gpu_idle_ms"] == pytest.approx(0.79)
     assert pre["idle_blame"] == [] and "(`--with-stack` names what the host ran)" in table
     assert summarize({"traceEvents": trace["traceEvents"][:-4]}, steps=1)["prefill"] is None  # no verify forward
     assert summarize({"traceEvents": trace["traceEvents"][-4:]}, steps=1)["prefill"] is None  # a window of cycles
+
+
+def test_a_first_cycle_replayed_as_one_graph_ends_the_prefill():
+    """A first decode step that replays its whole-cycle graph has no verify forward span: the cycle graph's launch
+    ends the request's way to its first cycle."""
+    trace = {"traceEvents": [
+        span("scheduler.recv_requests", 0, 50), span("cudaGraphLaunch", 100, 20, cat="cuda_runtime", correlation=1),
+        kernel("_w8a8_gemm_kernel", 200, 400, corr=1), kernel("_gdn_prefill_kernel", 600, 100, corr=1),  # the prefill
+        span("cudaGraphLaunch", 650, 20, cat="cuda_runtime", correlation=2),  # the first cycle, queued behind it
+        *(kernel(name, ts, 100, corr=2) for name, ts in [("_w4_scan_kernel", 750), ("_w8a8_gemm_kernel", 850),
+                                                          ("_gdn_verify_kernel", 950), ("_w8a16_argmax_kernel", 1050)]),
+    ]}
+    pre = summarize(trace, steps=1)["prefill"]
+    assert pre["kernels"] == 2 and pre["gpu_busy_ms"] == pytest.approx(0.5)
+    assert pre["arrival_to_first_cycle_ms"] == pytest.approx(0.75) and pre["gpu_idle_ms"] == pytest.approx(0.25)
 
 
 def test_with_python_stacks_the_prefill_profile_names_what_the_host_ran_while_the_gpu_idled():

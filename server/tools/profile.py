@@ -253,18 +253,20 @@ def idle_blame(events: list[dict], idle: list[tuple[float, float]], spans: list[
 
 
 def prefill_step(events: list[dict], spans: list[dict], kernels: list[dict], start: float) -> dict | None:
-    """A prefill profile's request up to its first cycle: the kernels launched before the first verify forward's host
-    span (`step[TARGET_VERIFY`) starts (the target's prefill, the drafter's context KV, the steps' glue), their GPU
-    busy time, the spans from the request's `arrival` to their end and to the first cycle's first kernel (the GPU's
-    idle time in it, and with `--with-stack` the Python functions the host ran meanwhile), their families, and the
-    largest of them with the torch op that launched each (a kernel launched outside any op, a Triton kernel or a
-    graph's, has none). `spans`: the host spans; `start`: the arrival. None where the window holds no verify
-    forward."""
-    verify = min((e["ts"] for e in spans if e["name"].startswith("step[TARGET_VERIFY")), default=None)
-    if verify is None:
-        return None
+    """A prefill profile's request up to its first cycle: the kernels launched before the first cycle begins on the
+    host, at the first verify forward's span (`step[TARGET_VERIFY`) or the first whole-cycle graph's launch (the
+    target's prefill, the drafter's context KV, the steps' glue), their GPU busy time, the spans from the request's
+    `arrival` to their end and to the first cycle's first kernel (the GPU's idle time in it, and with `--with-stack`
+    the Python functions the host ran meanwhile), their families, and the largest of them with the torch op that
+    launched each (a kernel launched outside any op, a Triton kernel or a graph's, has none). `spans`: the host
+    spans; `start`: the arrival. None where the window holds no cycle."""
     launched = {e["args"]["correlation"]: e["ts"] for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}  # Triton: driver
+    cycle_graphs = graph_replays(events, kernels)[0].get("cycle graph", ())
+    verify = min([e["ts"] for e in spans if e["name"].startswith("step[TARGET_VERIFY")]
+                 + [launched[group[0]["args"]["correlation"]] for group in cycle_graphs], default=None)
+    if verify is None:
+        return None
     ops = {e["args"]["External id"]: e["name"] for e in events if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})}
     mine = [e for e in kernels if launched.get(e.get("args", {}).get("correlation"), e["ts"]) < verify]
     if not mine:
@@ -396,8 +398,8 @@ def render(summary: dict, title: str, family_floors: dict[str, float] | None = N
         lines += [f"| `{a}` | `{b}` | {n:.1f} | {us:.2f} |" for a, b, n, us in summary["top_gaps"]]
     if in_order and summary.get("prefill"):
         pre = summary["prefill"]
-        lines += ["", f"The request up to its first cycle (the {pre['kernels']} kernels launched before the first verify "
-                  f"forward): {pre['arrival_to_end_ms']:.3f} ms from its arrival at the scheduler to their end, the first of them "
+        lines += ["", f"The request up to its first cycle (the {pre['kernels']} kernels launched before the first cycle's "
+                  f"verify or graph): {pre['arrival_to_end_ms']:.3f} ms from its arrival at the scheduler to their end, the first of them "
                   f"{pre['arrival_to_first_kernel_ms']:.3f} ms after it; GPU busy {pre['gpu_busy_ms']:.3f} ms.", "",
                   "| kernel family | ms |", "| --- | ---: |"]
         lines += [f"| {f} | {ms:.3f} |" for f, ms in pre["families"].items()]
