@@ -55,8 +55,14 @@ def _remember_live_batch(original, self, forward_batch, **kwargs):
         _live.batch = _live.metadata = None
 
 
+def _whole(backend, size: int, batch):
+    """The key of the fresh-prompt graph that replays for `batch` on `backend`'s bucket of `size` tokens, or None."""
+    key = (id(backend), size)
+    return key if plain_prompt(batch) and key in fresh_prefill.GRAPHS else None
+
+
 def _metadata_unless_whole(original, self, forward_batch, static_forward_batch, num_tokens):
-    if plain_prompt(static_forward_batch) and (id(self.backend), num_tokens) in fresh_prefill.GRAPHS:
+    if _whole(self.backend, num_tokens, static_forward_batch) is not None:
         _live.metadata = lambda: original(self, forward_batch, static_forward_batch, num_tokens)
         return None
     return original(self, forward_batch, static_forward_batch, num_tokens)
@@ -87,8 +93,8 @@ def load_track(batch, buffers: SimpleNamespace) -> None:
 
 
 def _replay_whole(original, self, shape_key, static_forward_batch, **kwargs):
-    key = (id(self), shape_key.size)
-    if shape_key.variant_label is None and plain_prompt(static_forward_batch) and key in fresh_prefill.GRAPHS:
+    key = _whole(self, shape_key.size, static_forward_batch) if shape_key.variant_label is None else None
+    if key is not None:
         load_track(_live.batch, track_buffers(static_forward_batch.input_ids.device))
         if fresh_prefill.replay(key, graphed=True):
             return self._outputs[shape_key]

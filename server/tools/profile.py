@@ -252,17 +252,18 @@ def idle_blame(events: list[dict], idle: list[tuple[float, float]], spans: list[
     return sorted(blame.items(), key=lambda kv: -kv[1])
 
 
-def prefill_step(events: list[dict], spans: list[dict], kernels: list[dict], start: float) -> dict | None:
+def prefill_step(events: list[dict], spans: list[dict], kernels: list[dict], start: float,
+                 cycle_graphs: list[list[dict]]) -> dict | None:
     """A prefill profile's request up to its first cycle: the kernels launched before the first cycle begins on the
     host, at the first verify forward's span (`step[TARGET_VERIFY`) or the first whole-cycle graph's launch (the
     target's prefill, the drafter's context KV, the steps' glue), their GPU busy time, the spans from the request's
     `arrival` to their end and to the first cycle's first kernel (the GPU's idle time in it, and with `--with-stack`
     the Python functions the host ran meanwhile), their families, and the largest of them with the torch op that
     launched each (a kernel launched outside any op, a Triton kernel or a graph's, has none). `spans`: the host
-    spans; `start`: the arrival. None where the window holds no cycle."""
+    spans; `start`: the arrival; `cycle_graphs`: the whole-cycle graphs' replays (`graph_replays`). None where the
+    window holds no cycle."""
     launched = {e["args"]["correlation"]: e["ts"] for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}  # Triton: driver
-    cycle_graphs = graph_replays(events, kernels)[0].get("cycle graph", ())
     verify = min([e["ts"] for e in spans if e["name"].startswith("step[TARGET_VERIFY")]
                  + [launched[group[0]["args"]["correlation"]] for group in cycle_graphs], default=None)
     if verify is None:
@@ -353,7 +354,7 @@ def summarize(trace: dict, steps: int) -> dict:
         "top_gaps": [(before, after, count / cycles, us / cycles) for (before, after), (count, us)
                      in sorted(gap_pairs.items(), key=lambda kv: -kv[1][1])[:TOP_GAPS]],
         "timeline": timeline(spans, kernels, arrived),
-        "prefill": prefill_step(events, spans, kernels, arrived),
+        "prefill": prefill_step(events, spans, kernels, arrived, named.get("cycle graph", [])),
     }
 
 
