@@ -4,8 +4,8 @@ In one process: a float64 recurrence of the gated delta rule is the reference; t
 and SGLang's `TritonGDNKernel.extend` (as the GDN backend calls it) reaches qflash's kernel. Checked: the
 output, the final state written to each request's slot and the chunk states `h` against the reference, other
 slots untouched, and the call equal to the kernel's own launch. On the GPU also SGLang's chunked path at the
-real shape: its error against the reference bounds qflash's, and a prompt over MAX_TOKENS still runs it bit
-for bit. CPU: Triton's interpreter in fp32 on small heads (its bf16 arithmetic is wrong).
+real shape: its error against the reference bounds qflash's, and prompts over MAX_TOKENS still run it bit for bit
+on the state pass's tiles qflash picks by length. On the CPU also which tile a prefill's length picks. CPU: Triton's interpreter in fp32 on small heads (its bf16 arithmetic is wrong).
 """
 
 import json
@@ -68,13 +68,15 @@ if cuda:
     stock_o, _, stock_h = extend(stock_pool)
     result["stock errors"] = [rel(stock_o, ref_o), worst(rel(stock_pool[s], ref_states[s]) for s in ref_states),
                               rel(stock_h[:, :ref_h.shape[1]], ref_h)]
-    long_len = 512
-    long = dict(q=rand(1, long_len, H, K), k=rand(1, long_len, H, K), v=rand(1, long_len, HV, V),
-                g=-torch.rand(1, long_len, HV, device=dev, generator=gen) * 0.3,
-                beta=torch.sigmoid(rand(1, long_len, HV, dt=torch.float32)),
-                cu=torch.tensor([0, long_len - 100, long_len][:len(lens) + 1], device=dev, dtype=torch.int32))
-    stock_long_pool = pool.clone()
-    stock_long = extend(stock_long_pool, **long)[0]
+    longs, stock_longs = [], []
+    for long_len in (512, 2100):  # qflash's short and long tiles of the chunks' state pass (server/hooks/gdn_prefill.py)
+        long = dict(q=rand(1, long_len, H, K), k=rand(1, long_len, H, K), v=rand(1, long_len, HV, V),
+                    g=-torch.rand(1, long_len, HV, device=dev, generator=gen) * 0.3,
+                    beta=torch.sigmoid(rand(1, long_len, HV, dt=torch.float32)),
+                    cu=torch.tensor([0, long_len - 100, long_len][:len(lens) + 1], device=dev, dtype=torch.int32))
+        stock_long_pool = pool.clone()
+        longs.append(long)
+        stock_longs.append((extend(stock_long_pool, **long)[0], stock_long_pool))
 
 from sglang.srt.plugins import load_plugins
 load_plugins()
@@ -94,9 +96,11 @@ result.update({
     "finite": bool(mine_o.isfinite().all()),
 })
 if cuda:
-    long_pool = pool.clone()
-    result["long prompt runs SGLang's chunks"] = (torch.equal(extend(long_pool, **long)[0], stock_long)
-                                                  and torch.equal(long_pool, stock_long_pool))
+    result["long prompts run SGLang's chunks"] = []
+    for long, (stock_long, stock_long_pool) in zip(longs, stock_longs):
+        long_pool = pool.clone()
+        result["long prompts run SGLang's chunks"].append(torch.equal(extend(long_pool, **long)[0], stock_long)
+                                                          and torch.equal(long_pool, stock_long_pool))
 print(json.dumps(result))
 """
 
@@ -128,7 +132,7 @@ def test_short_prefill_at_the_real_shape_gpu(lens):
     got = prefill("cuda", 16, 32, 128, 128, *lens)
     print(f"\nGDN prefill errors against float64, qflash {got['errors']}, SGLang's chunks {got['stock errors']}")
     check(got, 2 * max(got["stock errors"]) + 1e-3)
-    assert got["long prompt runs SGLang's chunks"]
+    assert got["long prompts run SGLang's chunks"] == [True, True]  # on qflash's short and long tiles, SGLang's bits
 
 
 ROUTE = """
@@ -159,3 +163,42 @@ def test_a_nan_error_fails_the_check():
     for errors in ([float("nan"), 0.0, 0.0], [0.0, float("nan"), 0.0]):  # max() of the second is 0.0
         with pytest.raises(AssertionError):
             check({**good, "errors": errors}, 1e-6)
+
+
+TILE = """
+import json, sys, torch
+from sglang.kernels.ops.attention.fla import chunk_delta_h
+from sglang.srt.layers.attention.linear.kernels.gdn_triton import TritonGDNKernel
+from sglang.srt.plugins import load_plugins
+
+kernel = chunk_delta_h.chunk_gated_delta_rule_fwd_kernel_h_blockdim64
+sglangs = kernel.configs[0]
+load_plugins()
+tiles = {}
+for tokens in map(int, sys.argv[1:]):
+    x = torch.zeros(1, tokens, 2, 32)
+    try:
+        TritonGDNKernel().extend(x, x, torch.zeros(1, tokens, 4, 16), torch.zeros(1, tokens, 4), torch.zeros(1, tokens, 4),
+                                 ssm_states=torch.zeros(2, 4, 16, 32), cache_indices=torch.ones(1, dtype=torch.int32),
+                                 query_start_loc=torch.tensor([0, tokens], dtype=torch.int32))
+    except AssertionError as exc:  # the chunked path refuses fp32 inputs before it launches anything
+        assert "does not support float32" in str(exc), exc
+    config = kernel.configs[0]
+    tiles[tokens] = "sglang's" if config is sglangs else dict(BV=config.kwargs["BV"], num_warps=config.num_warps,
+                                                              num_stages=config.num_stages)
+print(json.dumps(tiles))
+"""
+
+
+@pytest.mark.parametrize("knob", [None, "SGLANG_GDN_CHUNK_H_NUM_STAGES"])
+def test_the_chunks_state_pass_takes_the_tile_of_the_prefills_length(knob):
+    from qflash.server.hooks import gdn_prefill
+
+    env = {"SGLANG_PLUGINS": "qflash", "TRITON_INTERPRET": "1", **({knob: "2"} if knob else {})}
+    result = run_python(TILE, "300", "2048", "2049", "8192", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(result.stdout.strip().splitlines()[-1])
+    short, long = gdn_prefill.STATE_PASS_TILES["short"], gdn_prefill.STATE_PASS_TILES["long"]
+    # a user's own knob for SGLang's tile keeps SGLang's config at every length
+    assert got == ({"300": short, "2048": short, "2049": long, "8192": long} if knob is None else
+                   dict.fromkeys(("300", "2048", "2049", "8192"), "sglang's"))
