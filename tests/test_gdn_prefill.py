@@ -5,7 +5,8 @@ and SGLang's `TritonGDNKernel.extend` (as the GDN backend calls it) reaches qfla
 output, the final state written to each request's slot and the chunk states `h` against the reference, other
 slots untouched, and the call equal to the kernel's own launch. On the GPU also SGLang's chunked path at the
 real shape: its error against the reference bounds qflash's, and prompts over MAX_TOKENS still run it bit for bit
-on the state pass's tiles qflash picks by length. On the CPU also which tile a prefill's length picks. CPU: Triton's interpreter in fp32 on small heads (its bf16 arithmetic is wrong).
+on the state pass's tiles qflash picks by length. CPU: Triton's interpreter in fp32 on small heads (its bf16
+arithmetic is wrong); and which tile a prefill's length picks.
 """
 
 import json
@@ -69,7 +70,7 @@ if cuda:
     result["stock errors"] = [rel(stock_o, ref_o), worst(rel(stock_pool[s], ref_states[s]) for s in ref_states),
                               rel(stock_h[:, :ref_h.shape[1]], ref_h)]
     longs, stock_longs = [], []
-    for long_len in (512, 2100):  # qflash's short and long tiles of the chunks' state pass (server/hooks/gdn_prefill.py)
+    for long_len in (512, 2100):  # the short and long tiles of the chunks' state pass (server/hooks/gdn_prefill.py)
         long = dict(q=rand(1, long_len, H, K), k=rand(1, long_len, H, K), v=rand(1, long_len, HV, V),
                     g=-torch.rand(1, long_len, HV, device=dev, generator=gen) * 0.3,
                     beta=torch.sigmoid(rand(1, long_len, HV, dt=torch.float32)),
@@ -176,9 +177,9 @@ sglangs = kernel.configs[0]
 load_plugins()
 tiles = {}
 for tokens in map(int, sys.argv[1:]):
-    x = torch.zeros(1, tokens, 2, 32)
+    x, gate = torch.zeros(1, tokens, 2, 32), torch.zeros(1, tokens, 4)
     try:
-        TritonGDNKernel().extend(x, x, torch.zeros(1, tokens, 4, 16), torch.zeros(1, tokens, 4), torch.zeros(1, tokens, 4),
+        TritonGDNKernel().extend(x, x, torch.zeros(1, tokens, 4, 16), gate, gate,
                                  ssm_states=torch.zeros(2, 4, 16, 32), cache_indices=torch.ones(1, dtype=torch.int32),
                                  query_start_loc=torch.tensor([0, tokens], dtype=torch.int32))
     except AssertionError as exc:  # the chunked path refuses fp32 inputs before it launches anything
