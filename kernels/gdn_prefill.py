@@ -21,6 +21,13 @@ from qflash.kernels import pdl
 from qflash.kernels.gdn_verify import _l2_normalize, _program_sequence, _update
 
 
+@triton.jit
+def _token(p_q, p_k, p_v, p_g, p_beta, live):
+    """A token's q, k and v rows and its gate and beta (zeros past the request's end)."""
+    return (tl.load(p_q, mask=live, other=0.0), tl.load(p_k, mask=live, other=0.0), tl.load(p_v, mask=live, other=0.0),
+            tl.load(p_g, mask=live, other=0.0), tl.load(p_beta, mask=live, other=0.0))
+
+
 @triton.jit(do_not_specialize=["T"])
 def _gdn_prefill_kernel(q, k, v, g, beta, o, h, state, slots, cu_seqlens, scale, T, stride_q, stride_k, stride_v,
                         stride_state, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -43,19 +50,24 @@ def _gdn_prefill_kernel(q, k, v, g, beta, o, h, state, slots, cu_seqlens, scale,
     p_o = o + (bos * HV + i_hv) * V + o_v
 
     b_h = tl.load(p_state)
+    b_q, b_k, b_v, b_g, b_beta = _token(p_q, p_k, p_v, g + p_gb, beta + p_gb, eos > bos)
     for step in range(0, eos - bos):
-        if step % CHUNK == 0:
-            tl.store(p_h, b_h.to(p_h.dtype.element_ty))
-            p_h += HV * K * V
-        b_qn = _l2_normalize(tl.load(p_q).to(tl.float32)) * scale
-        b_kn = _l2_normalize(tl.load(p_k).to(tl.float32))
-        b_h = _update(b_h, b_kn, tl.load(p_v).to(tl.float32), tl.load(g + p_gb), tl.load(beta + p_gb))
-        tl.store(p_o, tl.sum(b_h * b_qn[:, None], 0).to(p_o.dtype.element_ty))
+        # The next token's inputs do not depend on the state: they load while this token's step (a chain of
+        # reductions) runs, instead of opening the next step.
         p_q += stride_q
         p_k += stride_k
         p_v += stride_v
         p_gb += HV
+        n_q, n_k, n_v, n_g, n_beta = _token(p_q, p_k, p_v, g + p_gb, beta + p_gb, bos + step + 1 < eos)
+        if step % CHUNK == 0:
+            tl.store(p_h, b_h.to(p_h.dtype.element_ty))
+            p_h += HV * K * V
+        b_qn = _l2_normalize(b_q.to(tl.float32)) * scale
+        b_kn = _l2_normalize(b_k.to(tl.float32))
+        b_h = _update(b_h, b_kn, b_v.to(tl.float32), b_g, b_beta)
+        tl.store(p_o, tl.sum(b_h * b_qn[:, None], 0).to(p_o.dtype.element_ty))
         p_o += HV * V
+        b_q, b_k, b_v, b_g, b_beta = n_q, n_k, n_v, n_g, n_beta
     tl.store(p_state, b_h)
 
 

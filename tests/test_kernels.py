@@ -17,8 +17,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from qflash.kernels import (block_attention, commit_steps, config_table, conv_update, embedding, gdn_verify,
-                            per_token_quant, row_argmax, sigmoid_mul_quant, verify_metadata, w4_draft_pick,
+from qflash.kernels import (block_attention, commit_steps, config_table, conv_update, embedding, gdn_prefill,
+                            gdn_verify, per_token_quant, row_argmax, sigmoid_mul_quant, verify_metadata, w4_draft_pick,
                             w8a16_argmax, w8a16_gemm, w8a8_gemm)
 from qflash.server.tools import shapes
 from qflash.server import preset
@@ -526,6 +526,10 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
     for config in distinct(gdn_verify.FOLD_CONFIGS.values()):
         compile_for_sm90(gdn_verify._gdn_fold_kernel, pointers, {**heads, "HAS_TRACK": True, **config})
         done.append(("gdn_fold", config, None))
+    prefill_heads = {name: heads[name] for name in ("H", "HV", "K", "V")}  # a short prompt's recurrent prefill
+    compile_for_sm90(gdn_prefill._gdn_prefill_kernel, {**pointers, "g": "*fp32", "beta": "*fp32", "h": "*bf16"},
+                     {**prefill_heads, "CHUNK": gdn_prefill.CHUNK, **gdn_prefill.CONFIG})
+    done.append(("gdn_prefill", gdn_prefill.CONFIG, None))
     pointers = {name: "*bf16" for name in ("x_ptr", "w_ptr", "bias_ptr", "state_ptr", "win_ptr", "o_ptr")} | {
         "slots_ptr": "*i32", "win_slots_ptr": "*i32"}
     config = dict(T=16, WIDTH=4, HAS_BIAS=True, BLOCK_N=conv_update.BLOCK_N, num_warps=conv_update.NUM_WARPS)
