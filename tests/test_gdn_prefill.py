@@ -97,11 +97,16 @@ result.update({
     "finite": bool(mine_o.isfinite().all()),
 })
 if cuda:
-    result["long prompts run SGLang's chunks"] = []
+    from sglang.kernels.ops.attention.fla import chunk_delta_h
+    state_pass = chunk_delta_h.chunk_gated_delta_rule_fwd_kernel_h_blockdim64
+    result["long prompts run SGLang's chunks"], result["state pass tiles"] = [], []
     for long, (stock_long, stock_long_pool) in zip(longs, stock_longs):
         long_pool = pool.clone()
         result["long prompts run SGLang's chunks"].append(torch.equal(extend(long_pool, **long)[0], stock_long)
                                                           and torch.equal(long_pool, stock_long_pool))
+        tile = state_pass.best_config  # the config its autotuner launched
+        result["state pass tiles"].append(dict(BV=tile.kwargs["BV"], num_warps=tile.num_warps,
+                                               num_stages=tile.num_stages))
 print(json.dumps(result))
 """
 
@@ -134,6 +139,8 @@ def test_short_prefill_at_the_real_shape_gpu(lens):
     print(f"\nGDN prefill errors against float64, qflash {got['errors']}, SGLang's chunks {got['stock errors']}")
     check(got, 2 * max(got["stock errors"]) + 1e-3)
     assert got["long prompts run SGLang's chunks"] == [True, True]  # on qflash's short and long tiles, SGLang's bits
+    from qflash.server.hooks.gdn_prefill import STATE_PASS_TILES
+    assert got["state pass tiles"] == [STATE_PASS_TILES["short"], STATE_PASS_TILES["long"]]
 
 
 ROUTE = """
