@@ -4,7 +4,8 @@ One system of `qflash bench` is started once with the test plugin (tests/faults)
 protocol's requests (fresh random prompts, 256 greedy tokens, simulated acceptance) are then timed with each
 switch in turn and without, in alternating order per round, so the sides share the machine, the server and its
 warm state. The server runs windows of up to 8 cycles; each switch names a side: `one_cycle_per_step` (SGLang's
-one cycle per scheduler step after each request's first decode step), `window_2`, `window_4` (at most that many), `plan_stream_off` / `plan_stream_on`.
+one cycle per scheduler step after each request's first decode step), `window_2`, `window_4` (at most that many),
+`plan_stream_off` / `plan_stream_on`.
 Writes ab.json and ab.md in --out.
 """
 
