@@ -2,10 +2,11 @@
 
 - The radix cache's checkpoint of a prompt, computed on the device, is SGLang's own (its extend metadata's host
   arithmetic, run here on stand-ins) for every length around the 64-token chunks, tracked or not.
-- The GDN layer's in-line prefill (qflash's recurrent kernel in Triton's interpreter; SGLang's conv, split and
-  gating as torch stand-ins that leave the padding unwritten, as the conv does) gives a prompt padded to its bucket
-  the output rows, states and checkpoint of the same prompt unpadded; the checkpoint equals the state of the
-  prompt's first tokens up to it.
+- The GDN layer's in-line prefill (qflash's recurrent kernel in Triton's interpreter, also standing in for FLA's chunks,
+  which buckets past kernels/gdn_prefill.WHOLE_GRAPH_MAX_TOKENS call with the state pass's tile of their length;
+  SGLang's conv, split and gating as torch stand-ins that leave the padding unwritten, as the conv does) gives a
+  prompt padded to its bucket the output rows, states and checkpoint of the same prompt unpadded; the checkpoint
+  equals the state of the prompt's first tokens up to it.
 - Capture and replay with a stand-in graph: which buckets are captured, the body run eagerly in line and then
   captured, a failed capture leaving the breakable graphs, a replay only for one request with nothing cached, the
   live batch's tracking copied where the graph reads it before each replay (the runner's static batch has none
@@ -102,16 +103,36 @@ def stand_in_gating(A_log, a, b, dt_bias):
     return g.float()[None], torch.sigmoid(b.double()).float()[None]
 
 
+def stand_in_chunks(calls: list):
+    """FLA's chunks over one sequence, which the interpreter cannot run (it refuses fp32; its bf16 is wrong), as
+    qflash's recurrent kernel, which keeps their contract; each call's length goes to `calls`."""
+    from qflash.kernels import gdn_prefill
+
+    def chunks(q, k, v, g, beta, *, initial_state, initial_state_indices, use_qk_l2norm_in_kernel):
+        assert use_qk_l2norm_in_kernel
+        calls.append(q.shape[1])
+        return gdn_prefill.prefill(q, k, v, g, beta, initial_state, initial_state_indices,
+                                   torch.tensor([0, q.shape[1]], dtype=torch.int32))
+    return chunks
+
+
 @pytest.fixture
 def in_line(monkeypatch):
-    """A fresh-prompt graph's warm-up in progress (its layers run in line), with SGLang's kernels stood in for."""
+    """A fresh-prompt graph's warm-up in progress (its layers run in line), with SGLang's kernels stood in for; the
+    lengths FLA's chunks were called for."""
+    from sglang.kernels.ops.attention.fla import chunk, chunk_delta_h
     from sglang.srt.layers.attention.linear import gdn_backend
 
+    calls = []
+    monkeypatch.setattr(chunk, "chunk_gated_delta_rule", stand_in_chunks(calls))
+    state_pass = chunk_delta_h.chunk_gated_delta_rule_fwd_kernel_h_blockdim64
+    monkeypatch.setattr(state_pass, "configs", state_pass.configs)  # the tile the chunks' call sets, restored after
     monkeypatch.setattr(gdn_backend, "causal_conv1d_fn", stand_in_conv)
     monkeypatch.setattr(gdn_backend, "fused_qkv_split_gdn_prefill", stand_in_split, raising=False)
     monkeypatch.setattr(gdn_backend, "fused_gdn_gating", stand_in_gating)
     monkeypatch.setattr("sglang.srt.runtime_context.get_server_args", lambda: SimpleNamespace(mamba_cache_chunk_size=CHUNK))
     monkeypatch.setattr(fresh_prefill, "_capture", SimpleNamespace(active=True, metadata=None, broken=False))
+    return calls
 
 
 def gdn_prefill(prompt, a, b, layer, *, tokens, tracked, seqlen, slot=2, dst=4, seed=0):
@@ -158,6 +179,25 @@ def test_a_padded_prompt_prefills_as_the_prompt_alone(in_line, n, bucket, tracke
     padded, conv_p, ssm_p = gdn_prefill(prompt, a, b, layer, tokens=bucket, tracked=tracked, seqlen=seqlen)
     assert torch.equal(padded[:, :n], alone) and not padded[:, n:].any()
     assert torch.equal(conv_p, conv) and torch.equal(ssm_p, ssm)  # every slot: the request's, the track slot, others
+
+
+@pytest.mark.parametrize("past", [0, 16])
+def test_buckets_past_the_recurrent_kernels_gpu_time_run_flas_chunks_on_the_tile_of_their_length(in_line, past):
+    # In the whole graph the chunks' launches cost no host time: past WHOLE_GRAPH_MAX_TOKENS (under the eager limit)
+    # they take less GPU time than the recurrent kernel.
+    from sglang.kernels.ops.attention.fla import chunk_delta_h
+
+    from qflash.kernels.gdn_prefill import WHOLE_GRAPH_MAX_TOKENS, serves
+    from qflash.server.hooks.gdn_prefill import STATE_PASS_TILES
+
+    bucket = WHOLE_GRAPH_MAX_TOKENS + past
+    assert serves(bucket)  # run eagerly, the recurrent kernel would take it
+    layer, prompt, a, b = layer_and_prompt(bucket - 5)
+    gdn_prefill(prompt, a, b, layer, tokens=bucket, tracked=None, seqlen=-1)
+    assert in_line == ([bucket] if past else [])
+    if past:
+        tile = chunk_delta_h.chunk_gated_delta_rule_fwd_kernel_h_blockdim64.configs[0]
+        assert dict(tile.kwargs, num_warps=tile.num_warps, num_stages=tile.num_stages) == STATE_PASS_TILES["short"]
 
 
 @pytest.mark.parametrize("n", [100, 128])

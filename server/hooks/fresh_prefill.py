@@ -142,6 +142,7 @@ def _gdn_extend(original, self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
     from sglang.srt.layers.attention.linear import gdn_backend
 
     from qflash.kernels import gdn_prefill
+    from qflash.server.hooks.gdn_prefill import take_state_pass_tile
 
     tokens = mixed_qkv.shape[0]
     m = fresh_prefill.metadata(lambda: _metadata(self, forward_batch, tokens))
@@ -160,9 +161,10 @@ def _gdn_extend(original, self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
     g, beta = gdn_backend.fused_gdn_gating(layer.A_log, a, b, layer.dt_bias)
     # past the prompt no decay and no update (k = v = beta = 0): FLA's chunks then carry the prompt's state through
     g, beta = (t.masked_fill(m.padded[None, :, None], 0) for t in (g, beta))
-    if tokens <= gdn_prefill.MAX_TOKENS:  # the recurrent kernel steps through the prompt alone
+    if gdn_prefill.serves(tokens, whole_graph=True):  # the recurrent kernel steps through the prompt alone
         o, _, h = gdn_prefill.prefill(q, k, v, g, beta, ssm_states, m.slot, m.query_start_loc)
     else:  # FLA's chunks over the whole bucket, as one sequence: no host-side chunk index
+        take_state_pass_tile(tokens)
         o, _, h = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=ssm_states, initial_state_indices=m.slot,
                                          use_qk_l2norm_in_kernel=True)
     chunk = h.squeeze(0)[m.track.chunk_idx.clamp(max=h.shape[1] - 1)].to(ssm_states.dtype)

@@ -7,7 +7,8 @@ prefill, which keeps the chunked path's contract (state in place, output, chunk 
 prefills that checkpoint intermediate states (`num_state_checkpoints`) stay on SGLang's path.
 Longer prefills run the chunks, whose state pass (`chunk_gated_delta_rule_fwd_h`, a walk over the prompt's 64-token
 chunks) has one tile for every length; it gets the tile measured fastest for the prefill's length
-(`STATE_PASS_TILES`), unless SGLang's own knobs for that tile (`SGLANG_GDN_CHUNK_H_*`) are set.
+(`STATE_PASS_TILES`), unless SGLang's own knobs for that tile (`SGLANG_GDN_CHUNK_H_*`) are set. A fresh prompt's
+whole prefill graph (server/hooks/fresh_prefill.py) calls the chunks itself and takes the tile here too.
 Retire when SGLang's GDN prefill launches in a CUDA graph or a single kernel, and FLA's state pass picks its tile by
 length (its autotune key already holds the length's bucket; one config per bucket would do).
 """
@@ -30,9 +31,15 @@ def _gdn_prefill(original, self, q, k, v, g, beta, **kwargs):
     from qflash.kernels import gdn_prefill
 
     tokens = q.shape[1]
-    if tokens <= gdn_prefill.MAX_TOKENS and not kwargs.get("num_state_checkpoints"):
+    if gdn_prefill.serves(tokens) and not kwargs.get("num_state_checkpoints"):
         return gdn_prefill.prefill(q, k, v, g, beta, kwargs["ssm_states"], kwargs["cache_indices"],
                                    kwargs["query_start_loc"])
+    take_state_pass_tile(tokens)
+    return original(self, q, k, v, g, beta, **kwargs)
+
+
+def take_state_pass_tile(tokens: int) -> None:
+    """Give FLA's state pass the tile of a `tokens`-long prefill, unless a user set SGLang's knobs for it."""
     if not any(knob in os.environ for knob in USER_TILE_KNOBS):
         from sglang.kernels.ops.attention.fla import chunk_delta_h
 
@@ -40,7 +47,6 @@ def _gdn_prefill(original, self, q, k, v, g, beta, **kwargs):
         # in place more than once): that config is the tile.
         chunk_delta_h.chunk_gated_delta_rule_fwd_kernel_h_blockdim64.configs = [
             _state_pass_config("short" if tokens <= SHORT_TOKENS else "long")]
-    return original(self, q, k, v, g, beta, **kwargs)
 
 
 @functools.cache

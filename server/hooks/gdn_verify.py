@@ -20,7 +20,7 @@ EAGLE and NGRAM only; what qflash changes for DFLASH:
   (gdn_input_proj); any other call keeps SGLang's;
 - the q | k | v split after the conv: SGLang copies each of the three out of the conv output's rows (one kernel a
   layer) for FLA's chunked prefill, which wants them contiguous; qflash's verify and short prefill
-  (kernels/gdn_prefill.py, up to its MAX_TOKENS) read rows through a token stride, so for those, where the conv
+  (kernels/gdn_prefill.py, the prompts it `serves`) read rows through a token stride, so for those, where the conv
   output's rows are contiguous whole 16-token blocks, the split hands out views of them. A longer prefill keeps
   SGLang's split: FLA would copy views itself, one strided copy each, three launches a layer for the bytes of one
   (BENCHMARKS.md, 2026-12-06). gdn_backend binds the split on CUDA only; elsewhere the hook binds it first, so every
@@ -29,6 +29,7 @@ Retire when SGLang runs ReplaySSM under DFLASH with a block-solved verify, per-b
 block-at-once conv update and a split its verify kernels need not copy.
 """
 
+from qflash.graphs import fresh_prefill
 from qflash.server.hooks import Hook, gdn_input_proj
 
 
@@ -103,7 +104,8 @@ def _verify_reads_conv_rows(original, mixed_qkv, num_q_heads, num_k_heads, num_v
 
     widths = [num_q_heads * head_q, num_k_heads * head_k, num_v_heads * head_v]
     tokens = mixed_qkv.shape[0]
-    strided_reader = gdn_input_proj.verifying() or tokens <= gdn_prefill.MAX_TOKENS  # else FLA's chunks, which copy
+    # qflash's kernels read strided rows; FLA's chunks would copy them
+    strided_reader = gdn_input_proj.verifying() or gdn_prefill.serves(tokens, whole_graph=fresh_prefill.capturing())
     if not strided_reader or mixed_qkv.stride(-1) != 1 or tokens % BLOCK_STEPS or mixed_qkv.shape[-1] != sum(widths):
         return original(mixed_qkv, num_q_heads, num_k_heads, num_v_heads, head_q, head_k, head_v)
     heads = zip(mixed_qkv.split(widths, dim=-1), ((num_q_heads, head_q), (num_k_heads, head_k), (num_v_heads, head_v)))
