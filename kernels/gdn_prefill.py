@@ -95,11 +95,14 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     return o, None, h
 
 
+def limit(whole_graph: bool = False) -> int:
+    """The most tokens (all requests of the batch together) this kernel, not FLA's chunks, prefills: run eagerly,
+    MAX_TOKENS; inside a fresh prompt's whole prefill graph (graphs/fresh_prefill.py), WHOLE_GRAPH_MAX_TOKENS too."""
+    return min(MAX_TOKENS, WHOLE_GRAPH_MAX_TOKENS) if whole_graph else MAX_TOKENS
+
+
 def serves(tokens: int, whole_graph: bool = False) -> bool:
-    """Whether this kernel, not FLA's chunks, prefills `tokens` (all requests of the batch together): run eagerly,
-    up to MAX_TOKENS; inside a fresh prompt's whole prefill graph (graphs/fresh_prefill.py), up to
-    WHOLE_GRAPH_MAX_TOKENS as well."""
-    return tokens <= (min(MAX_TOKENS, WHOLE_GRAPH_MAX_TOKENS) if whole_graph else MAX_TOKENS)
+    return tokens <= limit(whole_graph)
 
 
 CHUNK = 64  # FLA's chunk: h holds the state before every CHUNK tokens of each request, as the chunked path's

@@ -24,7 +24,9 @@ from qflash.server.hooks import Hook
 # chunks) the short tile, beyond it the long one.
 SHORT_TOKENS = 2048
 STATE_PASS_TILES = {"short": dict(BV=16, num_warps=4, num_stages=3), "long": dict(BV=32, num_warps=4, num_stages=3)}
-USER_TILE_KNOBS = ("SGLANG_GDN_CHUNK_H_BV", "SGLANG_GDN_CHUNK_H_NUM_WARPS", "SGLANG_GDN_CHUNK_H_NUM_STAGES")
+# a user's own knobs for SGLang's tile: any set keeps it
+USER_TILE = any(knob in os.environ for knob in ("SGLANG_GDN_CHUNK_H_BV", "SGLANG_GDN_CHUNK_H_NUM_WARPS",
+                                                "SGLANG_GDN_CHUNK_H_NUM_STAGES"))
 
 
 def _gdn_prefill(original, self, q, k, v, g, beta, **kwargs):
@@ -40,7 +42,7 @@ def _gdn_prefill(original, self, q, k, v, g, beta, **kwargs):
 
 def take_state_pass_tile(tokens: int) -> None:
     """Give FLA's state pass the tile of a `tokens`-long prefill, unless a user set SGLang's knobs for it."""
-    if not any(knob in os.environ for knob in USER_TILE_KNOBS):
+    if not USER_TILE:
         from sglang.kernels.ops.attention.fla import chunk_delta_h
 
         # The state pass's autotuner runs its only config as it is (no timing runs, which would update the state pool
