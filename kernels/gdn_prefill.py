@@ -4,9 +4,9 @@ SGLang 0.5.17 prefills a GDN layer with FLA's chunked kernels (`chunk_gated_delt
 cumsum, the intra-chunk solve, the chunk states, the output), launched eagerly between the pieces of the
 prefill graph: their host launch time, not their GPU work, sets a short prompt's prefill. One recurrent
 kernel over the prompt, on the GDN fold's state tile (kernels/gdn_verify.py), launches once; its GPU time
-grows with the prompt's length (one step per token), so it serves prompts up to `MAX_TOKENS`. A fresh prompt's
-whole prefill graph launches the chunks without the host: there it serves only prompts whose GPU time it beats
-(`serves`).
+grows with the prompt's length (one step per token), so it serves prompts up to `MAX_TOKENS` (`serves`), in a
+fresh prompt's whole prefill graph too: there the chunks would take less GPU time past ~64 tokens, but other bits than
+the eager path's (BENCHMARKS.md, 2026-12-06, fiftieth session).
 
 It is the chunked path's contract: reads each request's state from its slot, writes the final state back
 in place, and returns the output and the chunk states `h` (the state before every 64-token chunk, which
@@ -95,22 +95,14 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     return o, None, h
 
 
-def limit(whole_graph: bool = False) -> int:
-    """The most tokens (all requests of the batch together) this kernel, not FLA's chunks, prefills: run eagerly,
-    MAX_TOKENS; inside a fresh prompt's whole prefill graph (graphs/fresh_prefill.py), WHOLE_GRAPH_MAX_TOKENS too."""
-    return min(MAX_TOKENS, WHOLE_GRAPH_MAX_TOKENS) if whole_graph else MAX_TOKENS
-
-
-def serves(tokens: int, whole_graph: bool = False) -> bool:
-    return tokens <= limit(whole_graph)
+def serves(tokens: int) -> bool:
+    """Whether this kernel, not FLA's chunks, prefills `tokens` (all requests of the batch together)."""
+    return tokens <= MAX_TOKENS
 
 
 CHUNK = 64  # FLA's chunk: h holds the state before every CHUNK tokens of each request, as the chunked path's
-# Run eagerly, prompts up to MAX_TOKENS take this kernel, longer ones SGLang's chunks: where this kernel's GPU time
-# (growing with the prompt) passes the chunks' host launch time (`qflash bench-kernels`). That depends on the host, so
+# Prompts up to MAX_TOKENS take this kernel, longer ones SGLang's chunks: where this kernel's GPU time (growing with
+# the prompt) passes the chunks' host launch time (`qflash bench-kernels`). That depends on the host, so
 # QFLASH_GDN_PREFILL_MAX_TOKENS moves the limit (0: always SGLang's chunks).
 MAX_TOKENS = int(os.environ.get("QFLASH_GDN_PREFILL_MAX_TOKENS", "256"))
-# In a whole graph no launch costs host time, so GPU time alone decides: this kernel's grows ~0.66 us a token a layer,
-# the chunks' ~0.24 from ~33 us at 16 tokens; they take the same near 64 tokens (H100, BENCHMARKS.md, 2026-12-06).
-WHOLE_GRAPH_MAX_TOKENS = 64
 CONFIG = {"BV": 4, "num_warps": 1, "num_stages": 3}  # the GDN fold's tile for one request (gdn_verify.FOLD_CONFIGS)

@@ -3,7 +3,7 @@
 - The radix cache's checkpoint of a prompt, computed on the device, is SGLang's own (its extend metadata's host
   arithmetic, run here on stand-ins) for every length around the 64-token chunks, tracked or not.
 - The GDN layer's in-line prefill (qflash's recurrent kernel in Triton's interpreter, also standing in for FLA's chunks,
-  which buckets past kernels/gdn_prefill.WHOLE_GRAPH_MAX_TOKENS call with the state pass's tile of their length;
+  which buckets past kernels/gdn_prefill.MAX_TOKENS call with the state pass's tile of their length;
   SGLang's conv, split and gating as torch stand-ins that leave the padding unwritten, as the conv does) gives a
   prompt padded to its bucket the output rows, states and checkpoint of the same prompt unpadded; the checkpoint
   equals the state of the prompt's first tokens up to it.
@@ -182,16 +182,15 @@ def test_a_padded_prompt_prefills_as_the_prompt_alone(in_line, n, bucket, tracke
 
 
 @pytest.mark.parametrize("past", [0, 16])
-def test_buckets_past_the_recurrent_kernels_gpu_time_run_flas_chunks_on_the_tile_of_their_length(in_line, past):
-    # In the whole graph the chunks' launches cost no host time: past WHOLE_GRAPH_MAX_TOKENS (under the eager limit)
-    # they take less GPU time than the recurrent kernel.
+def test_buckets_past_the_recurrent_kernels_limit_run_flas_chunks_on_the_tile_of_their_length(in_line, past,
+                                                                                              monkeypatch):
     from sglang.kernels.ops.attention.fla import chunk_delta_h
 
-    from qflash.kernels.gdn_prefill import WHOLE_GRAPH_MAX_TOKENS, serves
+    from qflash.kernels import gdn_prefill as kernel
     from qflash.server.hooks.gdn_prefill import STATE_PASS_TILES
 
-    bucket = WHOLE_GRAPH_MAX_TOKENS + past
-    assert serves(bucket)  # run eagerly, the recurrent kernel would take it
+    monkeypatch.setattr(kernel, "MAX_TOKENS", 64)  # as QFLASH_GDN_PREFILL_MAX_TOKENS=64 sets it: shorter prompts here
+    bucket = kernel.MAX_TOKENS + past
     layer, prompt, a, b = layer_and_prompt(bucket - 5)
     gdn_prefill(prompt, a, b, layer, tokens=bucket, tracked=None, seqlen=-1)
     assert in_line == ([bucket] if past else [])

@@ -4,10 +4,9 @@ prefills (GPU only).
 On the shared `./launch.sh` server (conftest.served: the stable-choice checkpoint, real verification, prefix
 caching on). Its reference is the same server with the whole graphs off, switched at run time through the test
 plugin (`fresh_prefill_off`: the breakable graph replays, its GDN and attention layers eager):
-- prompts of 5 to 2,040 tokens (inside buckets and on their edges, on both GDN paths: the whole graph runs the
-  recurrent kernel up to 64 tokens and FLA's chunks above, the breakable graph's eager layers the recurrent kernel
-  up to 256): the same tokens, and the prompt's logprobs at every position within a small tolerance (every layer's
-  output reaches them);
+- prompts of 5 to 2,040 tokens (inside buckets and on their edges, on both GDN paths: the recurrent kernel up to
+  256 tokens, FLA's chunks above): the same tokens, and the prompt's logprobs at every position within a small
+  tolerance (every layer's output reaches them);
 - the radix cache's checkpoint a whole graph writes during the prefill: a longer prompt that hits it decodes what
   it decodes on an empty cache;
 - the server log says the buckets were captured whole, and none failed.

@@ -171,17 +171,6 @@ def test_the_limit_comes_from_the_environment():
     assert chunked.returncode != 0 and "does not support float32" in chunked.stderr, chunked.stderr[-2000:]
 
 
-def test_a_whole_prefill_graph_takes_the_recurrent_kernel_for_fewer_tokens(monkeypatch):
-    from qflash.kernels import gdn_prefill
-
-    edge = gdn_prefill.WHOLE_GRAPH_MAX_TOKENS
-    assert gdn_prefill.serves(edge, whole_graph=True) and not gdn_prefill.serves(edge + 1, whole_graph=True)
-    assert gdn_prefill.serves(gdn_prefill.MAX_TOKENS) and not gdn_prefill.serves(gdn_prefill.MAX_TOKENS + 1)
-    assert edge < gdn_prefill.MAX_TOKENS
-    monkeypatch.setattr(gdn_prefill, "MAX_TOKENS", 0)  # QFLASH_GDN_PREFILL_MAX_TOKENS=0: FLA's chunks everywhere
-    assert not gdn_prefill.serves(1, whole_graph=True)
-
-
 def test_a_nan_error_fails_the_check():
     good = {"routed": True, "finite": True, "no final state returned": True, "others untouched": True}
     for errors in ([float("nan"), 0.0, 0.0], [0.0, float("nan"), 0.0]):  # max() of the second is 0.0

@@ -163,13 +163,6 @@ def test_split_hands_out_views_of_contiguous_rows_in_whole_blocks(monkeypatch):
     for other in (rows.t().contiguous().t(), rows[:20], longer):
         split = _verify_reads_conv_rows(sglang_split, other, *HEADS)
         assert all(part.is_contiguous() and torch.equal(part, copy) for part, copy in zip(split, sglang_split(other, *HEADS)))
-    # inside a fresh prompt's whole prefill graph FLA's chunks take prompts past WHOLE_GRAPH_MAX_TOKENS: copies there
-    from qflash.graphs import fresh_prefill
-
-    edge = gdn_prefill.WHOLE_GRAPH_MAX_TOKENS
-    monkeypatch.setattr(fresh_prefill, "capturing", lambda: True)
-    assert not _verify_reads_conv_rows(sglang_split, conv_rows(edge), *HEADS)[0].is_contiguous()
-    assert _verify_reads_conv_rows(sglang_split, conv_rows(edge + 16), *HEADS)[0].is_contiguous()
     monkeypatch.setattr(gdn_input_proj._Verify, "layer", object())  # a verify's rows, however many: views
     assert not _verify_reads_conv_rows(sglang_split, longer, *HEADS)[0].is_contiguous()
 

@@ -161,7 +161,7 @@ def _gdn_extend(original, self, layer, forward_batch, mixed_qkv, a, b, **kwargs)
     g, beta = gdn_backend.fused_gdn_gating(layer.A_log, a, b, layer.dt_bias)
     # past the prompt no decay and no update (k = v = beta = 0): FLA's chunks then carry the prompt's state through
     g, beta = (t.masked_fill(m.padded[None, :, None], 0) for t in (g, beta))
-    if gdn_prefill.serves(tokens, whole_graph=True):  # the recurrent kernel steps through the prompt alone
+    if gdn_prefill.serves(tokens):  # the recurrent kernel steps through the prompt alone
         o, _, h = gdn_prefill.prefill(q, k, v, g, beta, ssm_states, m.slot, m.query_start_loc)
     else:  # FLA's chunks over the whole bucket, as one sequence: no host-side chunk index
         take_state_pass_tile(tokens)

@@ -29,7 +29,6 @@ Retire when SGLang runs ReplaySSM under DFLASH with a block-solved verify, per-b
 block-at-once conv update and a split its verify kernels need not copy.
 """
 
-from qflash.graphs import fresh_prefill
 from qflash.server.hooks import Hook, gdn_input_proj
 
 
@@ -105,7 +104,7 @@ def _verify_reads_conv_rows(original, mixed_qkv, num_q_heads, num_k_heads, num_v
     widths = [num_q_heads * head_q, num_k_heads * head_k, num_v_heads * head_v]
     tokens = mixed_qkv.shape[0]
     # qflash's kernels read strided rows; FLA's chunks would copy them
-    strided_reader = gdn_input_proj.verifying() or gdn_prefill.serves(tokens, whole_graph=fresh_prefill.capturing())
+    strided_reader = gdn_input_proj.verifying() or gdn_prefill.serves(tokens)
     if not strided_reader or mixed_qkv.stride(-1) != 1 or tokens % BLOCK_STEPS or mixed_qkv.shape[-1] != sum(widths):
         return original(mixed_qkv, num_q_heads, num_k_heads, num_v_heads, head_q, head_k, head_v)
     heads = zip(mixed_qkv.split(widths, dim=-1), ((num_q_heads, head_q), (num_k_heads, head_k), (num_v_heads, head_v)))

@@ -150,8 +150,7 @@ def gdn_prefill_row(tokens: int) -> dict:
 
 
 def render_gdn_prefill(rows: list[dict]) -> str:
-    out = [f"GDN prefill, one layer (qflash's kernel takes prompts up to {gdn_prefill.MAX_TOKENS} tokens run eagerly, "
-           f"up to {gdn_prefill.limit(whole_graph=True)} in a whole prefill graph):", "",
+    out = [f"GDN prefill, one layer (qflash's kernel takes prompts up to {gdn_prefill.MAX_TOKENS} tokens):", "",
            "| tokens | SGLang chunks GPU / host us | qflash recurrent GPU / host us |", "| ---: | ---: | ---: |"]
     out += [f"| {r['tokens']} | {_f(r['sglang_gpu_us'])} / {_f(r['sglang_host_us'])} "
             f"| {_f(r['qflash_gpu_us'])} / {_f(r['qflash_host_us'])} |" for r in rows]
