@@ -437,7 +437,8 @@ def distinct(configs):
 def compile_every_table_config() -> list[tuple[str, dict, bool]]:
     """(kernel, config, uses wgmma) for every distinct config in the tables and defaults, compiled for sm90."""
     scales = {"x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*i8", "y_ptr": "*bf16",
-              "ws_ptr": "*i32", "count_ptr": "*i32"}
+              "ws_ptr": "*i32", "count_ptr": "*i32", "amax_ptr": "*i32", "done_ptr": "*i32"}
+    plain = {"X_AMAX": False, "GLU": False}
     done = []
     gemm_ints = ("N", "K", "stride_xm", "stride_wn", "stride_ym")  # multiples of 16 at every served shape
     split_k = dict(w8a8_gemm.DEFAULT_DECODE, QUANT_X=False, SPLIT_K=4)  # the atomic split-K path compiles too
@@ -457,9 +458,22 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
         for early, segmented in ((0, False), (config.get("EARLY_TILES", 1), False), (0, True)):
             kernel = compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, pointers,
                                       {"SPLIT_K": 1, **constants, "HAS_BIAS": False, "EARLY_K": early * config["BLOCK_K"],
-                                       "SEGMENTED": segmented, **conv_update.no_epilogue(None)[1]},
+                                       "SEGMENTED": segmented, **plain, **conv_update.no_epilogue(None)[1]},
                                       gemm_ints + ("cut1", "cut2", "cut3"))
         done.append(("w8a8_gemm", config, "wgmma" in kernel.asm["ptx"]))
+    # the decode MLPs in two launches (w8a8_glu_mlp): gate_up with its SiLU-and-multiply epilogue, down quantizing
+    mlp = {glu: {(n, k) for name, n, k in shapes.TARGET + shapes.DRAFTER if name.endswith(proj)}
+           for glu, proj in ((True, "gate_up_proj"), (False, "down_proj"))}
+    for (phase, m, n, k), config in w8a8_gemm.CONFIGS.items():
+        for glu in (True, False):
+            if phase == "prefill" or m > w8a8_gemm.GLU_MAX_M or (n, k) not in mlp[glu]:
+                continue
+            constants = w8a8_gemm.glu_config(phase, m, n, k) if glu else dict(config, QUANT_X=True)
+            early = constants.pop("EARLY_TILES", 1) * constants["BLOCK_K"]
+            compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, {**scales, "x_ptr": "*i8" if glu else "*bf16"},
+                             {"SPLIT_K": 1, **constants, "HAS_BIAS": False, "EARLY_K": early, "SEGMENTED": False,
+                              "X_AMAX": not glu, "GLU": glu, **conv_update.no_epilogue(None)[1]}, gemm_ints)
+            done.append(("w8a8_glu" if glu else "w8a8_x_amax", config, None))
     # the GDN input projection's verify configs with the conv update in the epilogue (server/hooks/gdn_input_proj.py)
     in_proj = next(n for name, n, _ in shapes.TARGET if name == "gdn.in_proj_qkvzba")
     conv_pointers = {"cw_ptr": "*bf16", "cb_ptr": "*bf16", "cs_ptr": "*bf16", "slots_ptr": "*i32", "win_ptr": "*bf16",
@@ -469,7 +483,7 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
                                                                       preset.BLOCK_SIZE):
             compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, {"x_ptr": "*i8", **scales, **conv_pointers},
                              {**{k: v for k, v in config.items() if k != "EARLY_TILES"}, "HAS_BIAS": False,
-                              "EARLY_K": 0, "SEGMENTED": True, "CONV_T":
+                              "EARLY_K": 0, "SEGMENTED": True, **plain, "CONV_T":
                               preset.BLOCK_SIZE, "CONV_WIDTH": shapes.GDN_CONV_WIDTH, "CONV_BIAS": False},
                              gemm_ints + ("cut1", "cut2", "cut3"))
             done.append(("w8a8_gemm + conv", config, None))
