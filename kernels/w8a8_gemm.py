@@ -332,10 +332,9 @@ def _(x, w, w_scale, cuts, phase, x_q=None, x_scale=None):
     return x.new_empty((x.shape[0] * w.shape[0],))
 
 
-def glu_config(phase: str, m: int, n: int, k: int) -> dict:
-    """A GLU GEMM's config: the gate_up GEMM's [n = 2D outputs] from its table, at half its BLOCK_N, so that a
-    program streams as many weight rows (half gate, half up) as there."""
-    config = table_config(phase, m, n, k)
+def glu_config(config: dict) -> dict:
+    """A GLU GEMM's config from the gate_up GEMM's (its table's, for 2D outputs): at half its BLOCK_N, a program streams
+    as many weight rows (half gate, half up) as there."""
     return {**config, "BLOCK_N": max(config["BLOCK_N"] // 2, 16)}
 
 
@@ -346,7 +345,8 @@ def w8a8_glu_mlp(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Te
     """down(silu(x @ gate^T) * (x @ up^T)) of x [M, K] (M <= GLU_MAX_M rows, unit stride in K; gate_up int8
     [2D, K], down [N, D]) in two launches: bit for bit w8a8_gemm, kernels/silu_mul_quant.py and w8a8_gemm."""
     M, K = x.shape
-    y = launch(x, gate_up, gate_up_scale, None, glu_config(phase, M, gate_up.shape[0], K), x_q, x_scale, glu=True)
+    y = launch(x, gate_up, gate_up_scale, None, glu_config(table_config(phase, M, gate_up.shape[0], K)), x_q, x_scale,
+               glu=True)
     try:
         return launch(y, down, down_scale, None, table_config(phase, M, down.shape[0], y.shape[1]), x_amax=True)
     except BaseException:  # the maxima were written and not read: the next MLP must find them zeroed

@@ -309,6 +309,28 @@ def test_the_tuner_then_picks_the_early_tiles_of_a_decode_config(monkeypatch):
     assert [c["EARLY_TILES"] for c in rounds[1]] == list(tune.EARLY_TILES)
 
 
+def test_the_tuner_times_an_mlps_projections_as_served(monkeypatch):
+    """Up to GLU_MAX_M rows the two launches of w8a8_glu_mlp (gate_up with its SiLU-and-multiply epilogue, on the
+    config's GLU form; down quantizing its bf16 input by the row maxima), past it the plain GEMM."""
+    from qflash.server.tools import tune
+
+    timed = {}
+    monkeypatch.setattr(tune, "w8a8_timer", lambda m, n, k, gemm: timed.setdefault((m, n, k), gemm))
+    monkeypatch.setattr(tune, "gdn_input_verify", lambda m: None)
+    monkeypatch.setattr(tune, "best_config", lambda time_us, candidates: (candidates[0], 1.0))
+    tune.tune_w8a8((16, 2048))
+    gate_up, down = (next((n, k) for name, n, k in shapes.TARGET if name == f"mlp.{proj}")
+                     for proj in ("gate_up_proj", "down_proj"))
+    assert timed[(2048, *gate_up)] is w8a8_gemm.launch and timed[(2048, *down)] is w8a8_gemm.launch
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16).to(DEVICE)
+    (w, w_scale), (w_down, w_down_scale) = int8_weight(160, 96), int8_weight(48, 80)
+    config = dict(W8A8_CONFIGS[1], BLOCK_N=32)
+    y = timed[(16, *gate_up)](x, w, w_scale, None, config)
+    assert torch.equal(y, w8a8_gemm.launch(x, w, w_scale, None, dict(config, BLOCK_N=16), glu=True))
+    out = timed[(16, *down)](y, w_down, w_down_scale, None, config)
+    assert torch.equal(out, w8a8_gemm.launch(y, w_down, w_down_scale, None, config, *per_token_quant.per_token_quant(y)))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_the_tuner_runs_the_gdn_input_verify_with_and_without_the_conv_epilogue_gpu():
@@ -468,7 +490,7 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
         for glu in (True, False):
             if phase == "prefill" or m > w8a8_gemm.GLU_MAX_M or (n, k) not in mlp[glu]:
                 continue
-            constants = w8a8_gemm.glu_config(phase, m, n, k) if glu else dict(config, QUANT_X=True)
+            constants = w8a8_gemm.glu_config(config) if glu else dict(config, QUANT_X=True)
             early = constants.pop("EARLY_TILES", 1) * constants["BLOCK_K"]
             compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, {**scales, "x_ptr": "*i8" if glu else "*bf16"},
                              {"SPLIT_K": 1, **constants, "HAS_BIAS": False, "EARLY_K": early, "SEGMENTED": False,

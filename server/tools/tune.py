@@ -3,7 +3,7 @@
 Offline only: run once on the target GPU (sm90 for the H200) and commit the rewritten kernel files;
 serving reads the tables and never tunes. Each candidate is timed on random data with no host overhead: a decode
 W8A8 GEMM in a chain of calls over their own weight copies, as a cycle's layers run it (`timing.chain_us`; a GDN
-layer's input GEMM in a verify with its conv update, as served), the others with an L2 flush before each run
+layer's input GEMM in a verify with its conv update, an MLP's in its two launches, as served), the others with an L2 flush before each run
 (`timing.cold_us`); configs that do not fit the chip are skipped.
 """
 
@@ -95,6 +95,19 @@ def gdn_input_verify(m: int):
     return gemm
 
 
+def mlp_projection(name: str, m: int):
+    """`gemm(x, w, w_scale, bias, config)`: an MLP's gate_up or down projection of m rows as served: up to GLU_MAX_M
+    rows as the two launches of w8a8_gemm.w8a8_glu_mlp (gate_up with its SiLU-and-multiply epilogue, on the config's
+    GLU form; down quantizing its bf16 input in its loads by the row maxima, whose values do not move its time),
+    else the plain GEMM."""
+    if m > w8a8_gemm.GLU_MAX_M:
+        return w8a8_gemm.launch
+    if name.endswith("gate_up_proj"):
+        return lambda x, w, w_scale, bias, config: w8a8_gemm.launch(x, w, w_scale, bias, w8a8_gemm.glu_config(config),
+                                                                    glu=True)
+    return lambda x, w, w_scale, bias, config: w8a8_gemm.launch(x, w, w_scale, bias, config, x_amax=True)
+
+
 def w8a8_timer(m: int, n: int, k: int, gemm=w8a8_gemm.launch):
     """`time_us(config)` of one W8A8 shape: at decode M in a chain over weight copies, as a cycle's layers run it;
     `gemm(x, w, w_scale, None, config)`: the call timed."""
@@ -112,7 +125,12 @@ def tune_w8a8(rows: tuple) -> dict:
     jobs = ([("verify", m, s) for m in decode for s in TARGET] + [("draft", m, s) for m in decode for s in DRAFTER]
             + [("prefill", m, s) for m in prefill for s in TARGET + DRAFTER])
     for phase, m, (name, n, k) in jobs:
-        served_as = gdn_input_verify(m) if (phase, name) == ("verify", "gdn.in_proj_qkvzba") else w8a8_gemm.launch
+        if (phase, name) == ("verify", "gdn.in_proj_qkvzba"):
+            served_as = gdn_input_verify(m)
+        elif name.endswith(("gate_up_proj", "down_proj")):
+            served_as = mlp_projection(name, m)
+        else:
+            served_as = w8a8_gemm.launch
         time_us = w8a8_timer(m, n, k, served_as)
         cfg, us = best_config(time_us, w8a8_candidates(m))
         if m <= DECODE_MAX_M and not cfg.get("QUANT_X"):
