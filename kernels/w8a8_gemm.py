@@ -10,7 +10,7 @@ next call, and writes the output. Integer addition is associative, so every conf
 With output cuts (`w8a8_gemm_segments`) y's columns are written as consecutive [M, width] blocks, one per
 segment between cuts: a projection whose output SGLang splits into contiguous tensors (Gated-DeltaNet's q|k|v, z,
 b, a) then needs no split kernel.
-An MLP at small M runs as two launches where it ran three (`glu_mlp`): with GLU, the gate_up GEMM's program holds
+An MLP at small M runs as two launches where it ran three (`w8a8_glu_mlp`): with GLU, the gate_up GEMM's program holds
 the gate and the up columns of the same outputs, writes silu(gate) * up (each rounded to y's dtype first, as the
 unfused path rounds them) and adds its rows' absolute maxima to a buffer (an atomic max: any order, the same
 bits); with X_AMAX, the down GEMM quantizes those rows in its loads by those maxima (the rule of `per_token_quant`),
@@ -231,7 +231,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
     `conv` (where `conv_fits`) the first segment then gets that conv update in place. `y`: the output, if allocated.
     A config with TMA runs the TMA kernel, on x's int8 rows (quantized beforehand), with no split-K or conv.
     `glu`: w is gate | up [2N, K], y = silu(x @ gate^T) * (x @ up^T) [M, N], its rows' maxima to the device's row
-    maxima buffer; `x_amax`: x is such a y, quantized by those maxima, which this launch zeroes (`glu_mlp`)."""
+    maxima buffer; `x_amax`: x is such a y, quantized by those maxima, which this launch zeroes (`w8a8_glu_mlp`)."""
     M, K = x.shape
     N = w.shape[0] // 2 if glu else w.shape[0]
     cfg = {"SPLIT_K": 1, **config}
@@ -276,8 +276,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
     _w8a8_gemm_kernel[(programs,)](
         x, w, x_scale, w_scale, w_scale if bias is None else bias, y, ws, counts, amax, done, M, N, K, x.stride(0),
         w.stride(0), *cut_args, *conv_args, QUANT_X=quant_x, X_AMAX=x_amax, GLU=glu, HAS_BIAS=bias is not None,
-        SEGMENTED=bool(cuts),
-        EARLY_K=early * cfg["BLOCK_K"], enable_fp_fusion=False, **conv_constants, **pdl.options(x.device), **cfg)
+        SEGMENTED=bool(cuts), EARLY_K=early * cfg["BLOCK_K"], enable_fp_fusion=False, **conv_constants,
+        **pdl.options(x.device), **cfg)
     return y
 
 
