@@ -328,7 +328,8 @@ def test_the_tuner_times_an_mlps_projections_as_served(monkeypatch):
     y = timed[(16, *gate_up)](x, w, w_scale, None, config)
     assert torch.equal(y, w8a8_gemm.launch(x, w, w_scale, None, dict(config, BLOCK_N=16), glu=True))
     out = timed[(16, *down)](y, w_down, w_down_scale, None, config)
-    assert torch.equal(out, w8a8_gemm.launch(y, w_down, w_down_scale, None, config, *per_token_quant.per_token_quant(y)))
+    x_q, x_scale = per_token_quant.per_token_quant(y)
+    assert torch.equal(out, w8a8_gemm.launch(y, w_down, w_down_scale, None, config, x_q, x_scale))
 
 
 @pytest.mark.gpu

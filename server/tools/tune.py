@@ -3,8 +3,8 @@
 Offline only: run once on the target GPU (sm90 for the H200) and commit the rewritten kernel files;
 serving reads the tables and never tunes. Each candidate is timed on random data with no host overhead: a decode
 W8A8 GEMM in a chain of calls over their own weight copies, as a cycle's layers run it (`timing.chain_us`; a GDN
-layer's input GEMM in a verify with its conv update, an MLP's in its two launches, as served), the others with an L2 flush before each run
-(`timing.cold_us`); configs that do not fit the chip are skipped.
+layer's input GEMM in a verify with its conv update, an MLP's in its two launches, as served), the others with an
+L2 flush before each run (`timing.cold_us`); configs that do not fit the chip are skipped.
 """
 
 import functools
