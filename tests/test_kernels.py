@@ -332,6 +332,24 @@ def test_the_tuner_times_an_mlps_projections_as_served(monkeypatch):
     assert torch.equal(out, w8a8_gemm.launch(y, w_down, w_down_scale, None, config, x_q, x_scale))
 
 
+def test_bench_kernels_times_each_gemm_as_served_on_its_table_config(monkeypatch):
+    """qflash's column in `bench-kernels` is the tuner's served call (an MLP's two launches, the GDN input GEMM with
+    its conv) on the config the table gives, not the plain GEMM."""
+    from qflash.server.tools import bench_kernels
+
+    made = {name: getattr(torch, name) for name in ("randn", "randint", "rand")}
+    for name, make in made.items():  # the bench's tensors on this machine's device
+        monkeypatch.setattr(torch, name, lambda *a, make=make, device=None, **kw: make(*a, **kw))
+    calls = []
+    monkeypatch.setattr(bench_kernels, "served_gemm", lambda phase, name, m: lambda *args: calls.append(
+        (phase, name, m, args[1].shape, args[4])))
+    monkeypatch.setattr(bench_kernels, "time_us", lambda fn: (fn(), 1.0)[1])
+    for phase, m, (name, n, k) in (("verify", 16, ("mlp.down_proj", 48, 80)), ("draft", 2048, ("draft.o_proj", 32, 64))):
+        bench_kernels.gemm_row(phase, name, m, n, k, stock=lambda *args: None)
+        assert calls.pop(0) == (phase, name, m, (n, k), w8a8_gemm.table_config(phase, m, n, k))
+    assert not calls
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_the_tuner_runs_the_gdn_input_verify_with_and_without_the_conv_epilogue_gpu():

@@ -1,7 +1,8 @@
 """`qflash bench-kernels`: qflash's GEMMs against cuBLAS bf16, torch._int_mm and stock SGLang's int8 path, and
 qflash's GDN verify and fold against SGLang's at each state tile, qflash's short-prompt GDN prefill against
 SGLang's chunked one, and a fresh prompt's prefill attention on torch's SDPA against SGLang's Triton extend kernel
-(`--skip-gemms`: all but the GEMM and lm_head tables).
+(`--skip-gemms`: all but the GEMM and lm_head tables). qflash's GEMMs run as served (`tune.served_gemm`: a GDN
+input GEMM with its conv update, an MLP's projections in their two launches).
 
 Every timing starts from bf16 activations (the int8 paths include their per-token quantization) and is
 GPU time with a cold L2 and no host overhead (`timing.cold_us`), as inside SGLang's CUDA graphs. The GDN
@@ -19,12 +20,13 @@ from qflash.kernels.flash_prefill import flash_prefill
 from qflash.kernels.per_token_quant import per_token_quant
 from qflash.kernels.w8a16_argmax import w8a16_argmax
 from qflash.kernels.w8a16_gemm import w8a16_gemm
-from qflash.kernels.w8a8_gemm import w8a8_gemm
+from qflash.kernels.w8a8_gemm import table_config
 from qflash.server.launcher import require_gpu
 from qflash.server.preset import BLOCK_SIZE
 from qflash.server.tools.floors import REFERENCE_CARD, card_rate
 from qflash.server.tools.shapes import ATTENTION_HEADS, DRAFTER, GDN_HEADS, LM_HEAD, TARGET, TARGET_COUNT
 from qflash.server.tools.timing import cold_us, eager_us, host_us
+from qflash.server.tools.tune import served_gemm
 
 
 def time_us(fn) -> float | None:
@@ -49,6 +51,7 @@ def gemm_row(phase: str, name: str, m: int, n: int, k: int, stock) -> dict:
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8, device="cuda")
     w_scale = torch.rand(n, device="cuda") / (127 * k ** 0.5) + 1e-6
     w_bf16 = (w.float() * w_scale[:, None]).to(torch.bfloat16)
+    served, config = served_gemm(phase, name, m), table_config(phase, m, n, k)
 
     def int_mm():
         x_q, x_s = per_token_quant(x)
@@ -58,7 +61,7 @@ def gemm_row(phase: str, name: str, m: int, n: int, k: int, stock) -> dict:
            "cublas_bf16_us": time_us(lambda: x @ w_bf16.t()),
            "int_mm_us": time_us(int_mm),
            "sglang_int8_us": time_us(lambda: stock(x, w.t(), w_scale[:, None])),
-           "qflash_us": time_us(lambda: w8a8_gemm(x, w, w_scale, None, phase))}
+           "qflash_us": time_us(lambda: served(x, w, w_scale, None, config))}
     row["qflash_weight_gbps"] = n * k / row["qflash_us"] / 1e3
     row["qflash_tops"] = 2 * m * n * k / row["qflash_us"] / 1e6
     row["vs_sglang"] = row["sglang_int8_us"] / row["qflash_us"] if row["sglang_int8_us"] else None

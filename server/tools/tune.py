@@ -108,6 +108,16 @@ def mlp_projection(name: str, m: int):
     return lambda x, w, w_scale, bias, config: w8a8_gemm.launch(x, w, w_scale, bias, config, x_amax=True)
 
 
+def served_gemm(phase: str, name: str, m: int):
+    """`gemm(x, w, w_scale, bias, config)`: the W8A8 GEMM `name` (shapes.py) of m rows in `phase` as the server
+    runs it, so a config is timed in the kernel it configures."""
+    if (phase, name) == ("verify", "gdn.in_proj_qkvzba"):
+        return gdn_input_verify(m)
+    if name.endswith(("gate_up_proj", "down_proj")):
+        return mlp_projection(name, m)
+    return w8a8_gemm.launch
+
+
 def w8a8_timer(m: int, n: int, k: int, gemm=w8a8_gemm.launch):
     """`time_us(config)` of one W8A8 shape: at decode M in a chain over weight copies, as a cycle's layers run it;
     `gemm(x, w, w_scale, None, config)`: the call timed."""
@@ -125,13 +135,7 @@ def tune_w8a8(rows: tuple) -> dict:
     jobs = ([("verify", m, s) for m in decode for s in TARGET] + [("draft", m, s) for m in decode for s in DRAFTER]
             + [("prefill", m, s) for m in prefill for s in TARGET + DRAFTER])
     for phase, m, (name, n, k) in jobs:
-        if (phase, name) == ("verify", "gdn.in_proj_qkvzba"):
-            served_as = gdn_input_verify(m)
-        elif name.endswith(("gate_up_proj", "down_proj")):
-            served_as = mlp_projection(name, m)
-        else:
-            served_as = w8a8_gemm.launch
-        time_us = w8a8_timer(m, n, k, served_as)
+        time_us = w8a8_timer(m, n, k, served_gemm(phase, name, m))
         cfg, us = best_config(time_us, w8a8_candidates(m))
         if m <= DECODE_MAX_M and not cfg.get("QUANT_X"):
             # Then the weight tiles it loads before the PDL wait: each chained call follows its quantization launch,
