@@ -95,26 +95,19 @@ def gdn_input_verify(m: int):
     return gemm
 
 
-def mlp_projection(name: str, m: int):
-    """`gemm(x, w, w_scale, bias, config)`: an MLP's gate_up or down projection of m rows as served: up to GLU_MAX_M
-    rows as the two launches of w8a8_gemm.w8a8_glu_mlp (gate_up with its SiLU-and-multiply epilogue, on the config's
-    GLU form; down quantizing its bf16 input in its loads by the row maxima, whose values do not move its time),
-    else the plain GEMM."""
-    if m > w8a8_gemm.GLU_MAX_M:
-        return w8a8_gemm.launch
-    if name.endswith("gate_up_proj"):
-        return lambda x, w, w_scale, bias, config: w8a8_gemm.launch(x, w, w_scale, bias, w8a8_gemm.glu_config(config),
-                                                                    glu=True)
-    return lambda x, w, w_scale, bias, config: w8a8_gemm.launch(x, w, w_scale, bias, config, x_amax=True)
-
-
 def served_gemm(phase: str, name: str, m: int):
-    """`gemm(x, w, w_scale, bias, config)`: the W8A8 GEMM `name` (shapes.py) of m rows in `phase` as the server
-    runs it, so a config is timed in the kernel it configures."""
+    """`gemm(x, w, w_scale, bias, config)`: the W8A8 GEMM `name` (shapes.py) of m rows in `phase` as the server runs
+    it, so a config is timed in the kernel it configures: a verify's GDN input GEMM with its conv update; an MLP's
+    projections up to GLU_MAX_M rows as the two launches of w8a8_gemm.w8a8_glu_mlp (gate_up with its
+    SiLU-and-multiply epilogue, on the config's GLU form; down quantizing its bf16 input in its loads by the row
+    maxima, whose values do not move its time); else the plain GEMM."""
     if (phase, name) == ("verify", "gdn.in_proj_qkvzba"):
         return gdn_input_verify(m)
-    if name.endswith(("gate_up_proj", "down_proj")):
-        return mlp_projection(name, m)
+    if m <= w8a8_gemm.GLU_MAX_M and name.endswith("gate_up_proj"):
+        return lambda x, w, w_scale, bias, config: w8a8_gemm.launch(x, w, w_scale, bias, w8a8_gemm.glu_config(config),
+                                                                    glu=True)
+    if m <= w8a8_gemm.GLU_MAX_M and name.endswith("down_proj"):
+        return lambda x, w, w_scale, bias, config: w8a8_gemm.launch(x, w, w_scale, bias, config, x_amax=True)
     return w8a8_gemm.launch
 
 
