@@ -309,32 +309,9 @@ def test_the_tuner_then_picks_the_early_tiles_of_a_decode_config(monkeypatch):
     assert [c["EARLY_TILES"] for c in rounds[1]] == list(tune.EARLY_TILES)
 
 
-def test_the_tuner_times_an_mlps_projections_as_served(monkeypatch):
-    """Up to GLU_MAX_M rows the two launches of w8a8_glu_mlp (gate_up with its SiLU-and-multiply epilogue, on the
-    config's GLU form; down quantizing its bf16 input by the row maxima), past it the plain GEMM."""
-    from qflash.server.tools import tune
-
-    timed = {}
-    monkeypatch.setattr(tune, "w8a8_timer", lambda m, n, k, gemm: timed.setdefault((m, n, k), gemm))
-    monkeypatch.setattr(tune, "gdn_input_verify", lambda m: None)
-    monkeypatch.setattr(tune, "best_config", lambda time_us, candidates: (candidates[0], 1.0))
-    tune.tune_w8a8((16, 2048))
-    gate_up, down = (next((n, k) for name, n, k in shapes.TARGET if name == f"mlp.{proj}")
-                     for proj in ("gate_up_proj", "down_proj"))
-    assert timed[(2048, *gate_up)] is w8a8_gemm.launch and timed[(2048, *down)] is w8a8_gemm.launch
-    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16).to(DEVICE)
-    (w, w_scale), (w_down, w_down_scale) = int8_weight(160, 96), int8_weight(48, 80)
-    config = dict(W8A8_CONFIGS[1], BLOCK_N=32)
-    y = timed[(16, *gate_up)](x, w, w_scale, None, config)
-    assert torch.equal(y, w8a8_gemm.launch(x, w, w_scale, None, dict(config, BLOCK_N=16), glu=True))
-    out = timed[(16, *down)](y, w_down, w_down_scale, None, config)
-    x_q, x_scale = per_token_quant.per_token_quant(y)
-    assert torch.equal(out, w8a8_gemm.launch(y, w_down, w_down_scale, None, config, x_q, x_scale))
-
-
 def test_bench_kernels_times_each_gemm_as_served_on_its_table_config(monkeypatch):
-    """qflash's column in `bench-kernels` is the tuner's served call (an MLP's two launches, the GDN input GEMM with
-    its conv) on the config the table gives, not the plain GEMM."""
+    """qflash's column in `bench-kernels` is the tuner's served call (the GDN input GEMM with its conv) on the config
+    the table gives."""
     from qflash.server.tools import bench_kernels
 
     made = {name: getattr(torch, name) for name in ("randn", "randint", "rand")}
@@ -383,13 +360,11 @@ def test_tuning_some_row_buckets_keeps_the_tables_other_entries(monkeypatch):
     assert tune.run(argparse.Namespace(rows=[16]), []) == 0
     assert {timer[0] for timer in jobs if isinstance(timer, tuple)} == {16}  # (M, N, K) of the W8A8 shapes timed
     in_proj = next(n for name, n, _ in shapes.TARGET if name == "gdn.in_proj_qkvzba")
-    # the GDN input GEMM's verify timed as served, with the conv, and the MLPs' projections in their two launches
-    # (test_the_tuner_times_an_mlps_projections_as_served); every other GEMM alone
+    # the GDN input GEMM's verify timed as served, with the conv; every other GEMM alone
     gemms = [timer[3] for timer in jobs if isinstance(timer, tuple)]
     assert [timer[3] for timer in jobs if isinstance(timer, tuple) and timer[1] == in_proj] == [
         "the GDN input GEMM of 16 rows, its conv in a verify"]
-    mlp = sum(name.endswith(("gate_up_proj", "down_proj")) for name, _, _ in shapes.TARGET + shapes.DRAFTER)
-    assert gemms.count(w8a8_gemm.launch) == len(gemms) - 1 - mlp
+    assert gemms.count(w8a8_gemm.launch) == len(gemms) - 1
     for module in (w8a8_gemm, w8a16_gemm, w8a16_argmax, w4_draft_pick):
         table = written[Path(module.__file__).stem]
         assert table.keys() >= module.CONFIGS.keys()
@@ -480,8 +455,7 @@ def distinct(configs):
 def compile_every_table_config() -> list[tuple[str, dict, bool]]:
     """(kernel, config, uses wgmma) for every distinct config in the tables and defaults, compiled for sm90."""
     scales = {"x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*i8", "y_ptr": "*bf16",
-              "ws_ptr": "*i32", "count_ptr": "*i32", "amax_ptr": "*i32", "done_ptr": "*i32"}
-    plain = {"X_AMAX": False, "GLU": False}
+              "ws_ptr": "*i32", "count_ptr": "*i32"}
     done = []
     gemm_ints = ("N", "K", "stride_xm", "stride_wn", "stride_ym")  # multiples of 16 at every served shape
     split_k = dict(w8a8_gemm.DEFAULT_DECODE, QUANT_X=False, SPLIT_K=4)  # the atomic split-K path compiles too
@@ -501,22 +475,9 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
         for early, segmented in ((0, False), (config.get("EARLY_TILES", 1), False), (0, True)):
             kernel = compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, pointers,
                                       {"SPLIT_K": 1, **constants, "HAS_BIAS": False, "EARLY_K": early * config["BLOCK_K"],
-                                       "SEGMENTED": segmented, **plain, **conv_update.no_epilogue(None)[1]},
+                                       "SEGMENTED": segmented, **conv_update.no_epilogue(None)[1]},
                                       gemm_ints + ("cut1", "cut2", "cut3"))
         done.append(("w8a8_gemm", config, "wgmma" in kernel.asm["ptx"]))
-    # the decode MLPs in two launches (w8a8_glu_mlp): gate_up with its SiLU-and-multiply epilogue, down quantizing
-    mlp = {glu: {(n, k) for name, n, k in shapes.TARGET + shapes.DRAFTER if name.endswith(proj)}
-           for glu, proj in ((True, "gate_up_proj"), (False, "down_proj"))}
-    for (phase, m, n, k), config in w8a8_gemm.CONFIGS.items():
-        for glu in (True, False):
-            if phase == "prefill" or m > w8a8_gemm.GLU_MAX_M or (n, k) not in mlp[glu]:
-                continue
-            constants = w8a8_gemm.glu_config(config) if glu else dict(config, QUANT_X=True)
-            early = constants.pop("EARLY_TILES", 1) * constants["BLOCK_K"]
-            compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, {**scales, "x_ptr": "*i8" if glu else "*bf16"},
-                             {"SPLIT_K": 1, **constants, "HAS_BIAS": False, "EARLY_K": early, "SEGMENTED": False,
-                              "X_AMAX": not glu, "GLU": glu, **conv_update.no_epilogue(None)[1]}, gemm_ints)
-            done.append(("w8a8_glu" if glu else "w8a8_x_amax", config, None))
     # the GDN input projection's verify configs with the conv update in the epilogue (server/hooks/gdn_input_proj.py)
     in_proj = next(n for name, n, _ in shapes.TARGET if name == "gdn.in_proj_qkvzba")
     conv_pointers = {"cw_ptr": "*bf16", "cb_ptr": "*bf16", "cs_ptr": "*bf16", "slots_ptr": "*i32", "win_ptr": "*bf16",
@@ -526,7 +487,7 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
                                                                       preset.BLOCK_SIZE):
             compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, {"x_ptr": "*i8", **scales, **conv_pointers},
                              {**{k: v for k, v in config.items() if k != "EARLY_TILES"}, "HAS_BIAS": False,
-                              "EARLY_K": 0, "SEGMENTED": True, **plain, "CONV_T":
+                              "EARLY_K": 0, "SEGMENTED": True, "CONV_T":
                               preset.BLOCK_SIZE, "CONV_WIDTH": shapes.GDN_CONV_WIDTH, "CONV_BIAS": False},
                              gemm_ints + ("cut1", "cut2", "cut3"))
             done.append(("w8a8_gemm + conv", config, None))

@@ -2,7 +2,7 @@
 qflash's GDN verify and fold against SGLang's at each state tile, qflash's short-prompt GDN prefill against
 SGLang's chunked one, and a fresh prompt's prefill attention on torch's SDPA against SGLang's Triton extend kernel
 (`--skip-gemms`: all but the GEMM and lm_head tables). qflash's GEMMs run as served (`tune.served_gemm`: a GDN
-input GEMM with its conv update, an MLP's projections in their two launches).
+input GEMM with its conv update).
 
 Every timing starts from bf16 activations (the int8 paths include their per-token quantization) and is
 GPU time with a cold L2 and no host overhead (`timing.cold_us`), as inside SGLang's CUDA graphs. The GDN

@@ -63,7 +63,7 @@ REPLACED = {
     "fused_qkvzba_split_reshape_cat_contiguous_kernel": "the GDN input GEMM's segments",
     "fused_qkv_split_gdn_prefill_kernel": "the GDN q|k|v split as views",
     "_layer_norm_fwd_1pass_kernel": "_gated_norm_quant_kernel",
-    "act_and_mul_kernel": "the gate_up GEMM's SiLU-and-multiply epilogue (_silu_mul_quant_kernel past GLU_MAX_M rows)",
+    "act_and_mul_kernel": "_silu_mul_quant_kernel",
     "_fused_sigmoid_mul_kernel": "_sigmoid_mul_quant_kernel",
     "_fwd_kernel": "block attention",
     "store_kvcache": "block attention's KV store",

@@ -3,8 +3,8 @@
 Offline only: run once on the target GPU (sm90 for the H200) and commit the rewritten kernel files;
 serving reads the tables and never tunes. Each candidate is timed on random data with no host overhead: a decode
 W8A8 GEMM in a chain of calls over their own weight copies, as a cycle's layers run it (`timing.chain_us`; a GDN
-layer's input GEMM in a verify with its conv update, an MLP's in its two launches, as served), the others with an
-L2 flush before each run (`timing.cold_us`); configs that do not fit the chip are skipped.
+layer's input GEMM in a verify with its conv update, as served), the others with an L2 flush before each run
+(`timing.cold_us`); configs that do not fit the chip are skipped.
 """
 
 import functools
@@ -97,17 +97,10 @@ def gdn_input_verify(m: int):
 
 def served_gemm(phase: str, name: str, m: int):
     """`gemm(x, w, w_scale, bias, config)`: the W8A8 GEMM `name` (shapes.py) of m rows in `phase` as the server runs
-    it, so a config is timed in the kernel it configures: a verify's GDN input GEMM with its conv update; an MLP's
-    projections up to GLU_MAX_M rows as the two launches of w8a8_gemm.w8a8_glu_mlp (gate_up with its
-    SiLU-and-multiply epilogue, on the config's GLU form; down quantizing its bf16 input in its loads by the row
-    maxima, whose values do not move its time); else the plain GEMM."""
+    it, so a config is timed in the kernel it configures: a verify's GDN input GEMM with its conv update; else the
+    plain GEMM."""
     if (phase, name) == ("verify", "gdn.in_proj_qkvzba"):
         return gdn_input_verify(m)
-    if m <= w8a8_gemm.GLU_MAX_M and name.endswith("gate_up_proj"):
-        return lambda x, w, w_scale, bias, config: w8a8_gemm.launch(x, w, w_scale, bias, w8a8_gemm.glu_config(config),
-                                                                    glu=True)
-    if m <= w8a8_gemm.GLU_MAX_M and name.endswith("down_proj"):
-        return lambda x, w, w_scale, bias, config: w8a8_gemm.launch(x, w, w_scale, bias, config, x_amax=True)
     return w8a8_gemm.launch
 
 
