@@ -311,7 +311,7 @@ def test_the_tuner_then_picks_the_early_tiles_of_a_decode_config(monkeypatch):
 
 def test_bench_kernels_times_each_gemm_as_served_on_its_table_config(monkeypatch):
     """qflash's column in `bench-kernels` is the tuner's served call (the GDN input GEMM with its conv) on the config
-    the table gives."""
+    the table gives. The 16-row shapes are real ones, whose tables differ by phase: a config of the wrong phase fails."""
     from qflash.server.tools import bench_kernels
 
     made = {name: getattr(torch, name) for name in ("randn", "randint", "rand")}
@@ -321,7 +321,9 @@ def test_bench_kernels_times_each_gemm_as_served_on_its_table_config(monkeypatch
     monkeypatch.setattr(bench_kernels, "served_gemm", lambda phase, name, m: lambda *args: calls.append(
         (phase, name, m, args[1].shape, args[4])))
     monkeypatch.setattr(bench_kernels, "time_us", lambda fn: (fn(), 1.0)[1])
-    for phase, m, (name, n, k) in (("verify", 16, ("mlp.down_proj", 48, 80)), ("draft", 2048, ("draft.o_proj", 32, 64))):
+    real = {name: (name, n, k) for name, n, k in shapes.TARGET + shapes.DRAFTER}
+    for phase, m, (name, n, k) in (("verify", 16, real["mlp.down_proj"]), ("draft", 16, real["draft.down_proj"]),
+                                   ("draft", 2048, ("draft.o_proj", 32, 64))):
         bench_kernels.gemm_row(phase, name, m, n, k, stock=lambda *args: None)
         assert calls.pop(0) == (phase, name, m, (n, k), w8a8_gemm.table_config(phase, m, n, k))
     assert not calls
