@@ -96,7 +96,7 @@ def _merge_block_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kv_indptr, acc_ptr, ml_ptr, 
     # split's weight is known before its partial sums are read: those loads (CHUNK splits at a time, unrolled)
     # do not wait on one another, where a running rescale would chain one load latency per split.
     # The block's own scores come first, before the PDL wait: the split kernel, always the launch just before this
-    # one, writes only the partials; q, k and the lengths were written before it (pdl.load_settled).
+    # one, writes only the partials; q, k, v and the lengths were written before it (pdl.load_settled).
     b = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
@@ -113,10 +113,11 @@ def _merge_block_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kv_indptr, acc_ptr, ml_ptr, 
     if WINDOW > 0:
         visible = visible & (offs_m[:, None] <= offs_m[None, :] + WINDOW)
     qk = tl.where(visible, qk, float("-inf"))
+    offs_dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    v = pdl.load_settled(v_ptr + rows[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :])  # as k
     pdl.enter(PDL)
     per = tl.maximum(tl.cdiv(tl.cdiv(plen, NSPLIT), BLOCK_N) * BLOCK_N, 1)
     splits = tl.cdiv(plen, per)  # the splits that held keys (the split kernel's rule)
-    offs_dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
     offs_s = tl.arange(0, NSPLIT)
     first = (b * tl.num_programs(1) + h) * NSPLIT  # this head's first partial
     held = (offs_s < splits)[:, None]
@@ -137,7 +138,6 @@ def _merge_block_kernel(q_ptr, k_ptr, v_ptr, o_ptr, kv_indptr, acc_ptr, ml_ptr, 
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(qk - m_new[:, None])
-    v = tl.load(v_ptr + rows[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :])
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(DOT_DTYPE), v.to(DOT_DTYPE))
     l_i = l_i * alpha + tl.sum(p, 1)
     out = acc / l_i[:, None]

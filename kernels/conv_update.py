@@ -80,15 +80,35 @@ def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, slots_ptr, win_ptr, w
 
 
 @triton.jit
-def conv_in_place(y_ptr, offs_m, offs_n, M, width, w_ptr, bias_ptr, state_ptr, slots_ptr, win_ptr, win_slots_ptr,
-                  stride_wc, stride_wj, stride_sb, stride_sc, stride_sj, stride_gb, stride_gt, stride_gc, stride_gj,
+def conv_prologue(offs_m, offs_n, M, width, w_ptr, bias_ptr, state_ptr, slots_ptr, win_slots_ptr, stride_wc,
+                  stride_sb, stride_sc, stride_sj, T: tl.constexpr, WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  PDL: tl.constexpr):
+    """What `conv_in_place` reads that the GEMM does not write, before the GEMM's PDL wait: the rows' state and window
+    slots (written at the cycle's start, many launches back), returned; the conv's weights and the rows' states
+    (written a cycle back, out of L2 since) asked into L2, where after the K loop they are read without a miss in
+    HBM behind the slots' load."""
+    rows = offs_m < M
+    b = offs_m // T
+    slot = pdl.load_settled(slots_ptr + b, mask=rows, other=PAD_SLOT).to(tl.int64)
+    win_slot = pdl.load_settled(win_slots_ptr + b, mask=rows, other=0).to(tl.int64)
+    chans = offs_n < width
+    from_state = rows & (slot != PAD_SLOT) & (offs_m % T < WIDTH - 1)  # one row a state input: every state's line
+    pdl.prefetch(state_ptr + slot[:, None] * stride_sb + offs_n[None, :] * stride_sc + (offs_m % T)[:, None] * stride_sj,
+                 from_state[:, None] & chans[None, :], PDL)
+    pdl.prefetch(w_ptr + offs_n * stride_wc, chans, PDL)
+    if HAS_BIAS:
+        pdl.prefetch(bias_ptr + offs_n, chans, PDL)
+    return slot, win_slot
+
+
+@triton.jit
+def conv_in_place(y_ptr, offs_m, offs_n, M, width, slot, win_slot, w_ptr, bias_ptr, state_ptr, win_ptr, stride_wc,
+                  stride_wj, stride_sb, stride_sc, stride_sj, stride_gb, stride_gt, stride_gc, stride_gj,
                   T: tl.constexpr, WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr):
     """The conv update of a tile of rows a GEMM program has just stored into y ([M, width] row-major, token m of the
-    batch's blocks of T), in place: the tile holds whole blocks, so every tap it reads is its own or a state's."""
+    batch's blocks of T), in place: the tile holds whole blocks, so every tap it reads is its own or a state's.
+    slot, win_slot: the rows' (`conv_prologue`)."""
     tl.debug_barrier()  # the tile's stores are in before any thread reads another's rows
-    b = offs_m // T
-    slot = tl.load(slots_ptr + b, mask=offs_m < M, other=PAD_SLOT).to(tl.int64)
-    win_slot = tl.load(win_slots_ptr + b, mask=offs_m < M, other=0).to(tl.int64)
     t = offs_m % T
     mask_c = offs_n < width
     mask = ((offs_m < M) & (slot != PAD_SLOT))[:, None] & mask_c[None, :]

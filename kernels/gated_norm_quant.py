@@ -20,13 +20,14 @@ from qflash.kernels.per_token_quant import launch_config, quantize_row
 @triton.jit
 def _gated_norm_quant_kernel(x_ptr, z_ptr, w_ptr, y_ptr, q_ptr, scale_ptr, eps, stride_x, stride_z, stride_y,
                              stride_q, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
-    pdl.enter(PDL)
     token = tl.program_id(0)
     head_rows = token * HEADS + tl.arange(0, HEADS)[:, None]
     cols = tl.arange(0, HEAD_DIM)[None, :]
+    w = pdl.load_weights(w_ptr + cols).to(tl.float32)  # before the wait, as the norms' (kernels/norm_quant.py)
+    pdl.enter(PDL)
     x = tl.load(x_ptr + head_rows * stride_x + cols).to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)
-    y = x * rstd[:, None] * tl.load(w_ptr + cols).to(tl.float32)
+    y = x * rstd[:, None] * w
     z = tl.load(z_ptr + head_rows * stride_z + cols).to(tl.float32)
     y = (y * (z * tl.sigmoid(z))).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + head_rows * stride_y + cols, y)

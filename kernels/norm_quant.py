@@ -24,10 +24,12 @@ from qflash.kernels.per_token_quant import launch_config, quantize_row
 def _rms_norm_quant_kernel(x_ptr, res_ptr, tap_ptr, w_ptr, y_ptr, q_ptr, scale_ptr, K, eps, weight_offset,
                              stride_x, stride_res, stride_tap, stride_y, stride_q, HAS_RESIDUAL: tl.constexpr,
                              HAS_TAP: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    pdl.enter(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_K)
     mask = offs < K
+    # The norm's weights before the wait: after it, their miss in HBM would add to the latency of the rows' loads.
+    w = pdl.load_weights(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl.enter(PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         x += tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
@@ -35,7 +37,6 @@ def _rms_norm_quant_kernel(x_ptr, res_ptr, tap_ptr, w_ptr, y_ptr, q_ptr, scale_p
     if HAS_TAP:
         tl.store(tap_ptr + row * stride_tap + offs, x.to(tap_ptr.dtype.element_ty), mask=mask)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / K + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = (x * rstd * (weight_offset + w)).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * stride_y + offs, y, mask=mask)
     q, scale = quantize_row(y.to(tl.float32))

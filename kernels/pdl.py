@@ -10,6 +10,8 @@ SGLang's launched after ours without PDL waits for ours as usual. Two kinds of l
   before it has passed its own `enter` (or, for a kernel without PDL, has ended), so the kernel before that one has
   completed. The load goes to L2 (`.cg`), where that kernel's writes are, not to a stale L1 line. A kernel using it
   names the writer it relies on.
+A third kind of access may come before `enter` for any memory: `prefetch`, which asks L2 for lines and brings
+nothing into registers. After the wait, the load of a line HBM sent to L2 meanwhile waits on L2 alone.
 Off in Triton's interpreter (no inline asm) and before sm90.
 """
 
@@ -38,6 +40,18 @@ def load_weights(ptrs, mask=None, other=None):
 def load_settled(ptrs, mask=None, other=None):
     """A load that may come before `enter`: of what a kernel two or more launches back wrote."""
     return tl.load(ptrs, mask=mask, other=other, cache_modifier=".cg")
+
+
+@triton.jit
+def prefetch(ptrs, mask, ON: tl.constexpr):
+    """Asks L2 for the lines at `ptrs` where `mask` holds (one request an element: give one element a 128-byte line),
+    before `enter`, for data that the code after the wait reads behind a chain of other loads. Safe for any memory,
+    whoever writes it and when: every kernel's stores land in L2, so a line brought there early is never stale, and
+    the read itself comes after the wait. ON: the kernel's PDL (without it nothing runs early to overlap, and the
+    interpreter runs no inline assembly)."""
+    if ON:
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+                                  "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def _index(device: torch.device) -> int:

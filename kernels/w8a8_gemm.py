@@ -50,13 +50,24 @@ def _y_offsets(offs_m, offs_n, M, N, cut1, cut2, cut3, SEGMENTED: tl.constexpr):
 
 
 @triton.jit
-def _store_tile(acc, x_scale, offs_m, offs_n, mask_n, mask_y, w_scale_ptr, bias_ptr, y_ptr, M, N, cut1, cut2, cut3,
+def _column_weights(w_scale_ptr, bias_ptr, offs_n, mask_n, HAS_BIAS: tl.constexpr):
+    """The tile's column scales and bias (the scales where there is none), loaded at the program's start: weights,
+    which may come before the PDL wait; loaded after the K loop, their miss in HBM (L2 holds none of a layer's
+    bytes a cycle later) would delay every program's epilogue."""
+    w_scale = pdl.load_weights(w_scale_ptr + offs_n, mask=mask_n, other=0.0)
+    bias = w_scale
+    if HAS_BIAS:
+        bias = pdl.load_weights(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    return w_scale, bias
+
+
+@triton.jit
+def _store_tile(acc, x_scale, w_scale, bias, offs_m, offs_n, mask_y, y_ptr, M, N, cut1, cut2, cut3,
                 HAS_BIAS: tl.constexpr, SEGMENTED: tl.constexpr):
     """y's tile: the int32 sums times the row and column scales (+ bias), in y's dtype."""
-    w_scale = tl.load(w_scale_ptr + offs_n, mask=mask_n, other=0.0)
     y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
     if HAS_BIAS:
-        y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        y += bias[None, :]
     tl.store(y_ptr + _y_offsets(offs_m, offs_n, M, N, cut1, cut2, cut3, SEGMENTED), y.to(y_ptr.dtype.element_ty),
              mask=mask_y)
 
@@ -79,6 +90,11 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, w
     k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_lo = split * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
+    w_scale, bias = _column_weights(w_scale_ptr, bias_ptr, offs_n, mask_n, HAS_BIAS)
+    if CONV_T:
+        conv_slot, conv_win_slot = conv_update.conv_prologue(
+            offs_m, offs_n, M, cut1, cw_ptr, cb_ptr, cs_ptr, slots_ptr, win_slots_ptr, stride_cwc, stride_sb,
+            stride_sc, stride_sj, CONV_T, CONV_WIDTH, CONV_BIAS, PDL)
     if EARLY_K:
         # The weights do not depend on the kernel before: the first EARLY_K rows of K leave before the wait, while the
         # kernel before runs (under PDL this one's programs sit resident meanwhile), instead of opening the launch.
@@ -119,12 +135,11 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, w
             tl.atomic_xchg(count_ptr + pid, 0)
         mask_y = mask_y & last
 
-    _store_tile(acc, x_scale, offs_m, offs_n, mask_n, mask_y, w_scale_ptr, bias_ptr, y_ptr, M, N, cut1, cut2, cut3,
-                HAS_BIAS, SEGMENTED)
+    _store_tile(acc, x_scale, w_scale, bias, offs_m, offs_n, mask_y, y_ptr, M, N, cut1, cut2, cut3, HAS_BIAS, SEGMENTED)
     if CONV_T:
         if pid_n * BLOCK_N < cut1:  # a tile of the first segment (BLOCK_N divides cut1): the conv's input
-            conv_update.conv_in_place(y_ptr, offs_m, offs_n, M, cut1, cw_ptr, cb_ptr, cs_ptr, slots_ptr, win_ptr,
-                                      win_slots_ptr, stride_cwc, stride_cwj, stride_sb, stride_sc, stride_sj, stride_gb,
+            conv_update.conv_in_place(y_ptr, offs_m, offs_n, M, cut1, conv_slot, conv_win_slot, cw_ptr, cb_ptr, cs_ptr,
+                                      win_ptr, stride_cwc, stride_cwj, stride_sb, stride_sc, stride_sj, stride_gb,
                                       stride_gt, stride_gc, stride_gj, CONV_T, CONV_WIDTH, CONV_BIAS)
 
 
@@ -133,15 +148,16 @@ def _w8a8_tma_kernel(x_desc, w_desc, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, 
                      HAS_BIAS: tl.constexpr, SEGMENTED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
     # One output tile from TMA copies of x's int8 rows and w's rows (zero-filled past M, N and K), int32 sums.
-    pdl.enter(PDL)
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m, offs_n, _, mask_m, mask_n = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
+    w_scale, bias = _column_weights(w_scale_ptr, bias_ptr, offs_n, mask_n, HAS_BIAS)
+    pdl.enter(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     for k in range(0, K, BLOCK_K):
         acc = tl.dot(x_desc.load([pid_m * BLOCK_M, k]), w_desc.load([pid_n * BLOCK_N, k]).T, acc, out_dtype=tl.int32)
-    offs_m, offs_n, _, mask_m, mask_n = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     x_scale = tl.load(x_scale_ptr + offs_m, mask=mask_m, other=0.0)
-    _store_tile(acc, x_scale, offs_m, offs_n, mask_n, mask_m[:, None] & mask_n[None, :], w_scale_ptr, bias_ptr, y_ptr,
-                M, N, cut1, cut2, cut3, HAS_BIAS, SEGMENTED)
+    _store_tile(acc, x_scale, w_scale, bias, offs_m, offs_n, mask_m[:, None] & mask_n[None, :], y_ptr, M, N, cut1,
+                cut2, cut3, HAS_BIAS, SEGMENTED)
 
 
 _split_k_buffers: dict = {}
