@@ -90,17 +90,18 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, w
     k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_lo = split * k_per_split
     k_hi = tl.minimum(K, k_lo + k_per_split)
+    if EARLY_K:
+        # The weights do not depend on the kernel before: the first EARLY_K rows of K leave before the wait, while the
+        # kernel before runs (under PDL this one's programs sit resident meanwhile), instead of opening the launch.
+        # First of what leaves before the wait: a warp issues in order, and the conv's prefetches wait on its slots.
+        offs_e = tl.arange(0, EARLY_K)
+        w_early = pdl.load_weights(w_cols + (k_lo + offs_e)[:, None], mask_n[None, :] & (k_lo + offs_e < k_hi)[:, None],
+                                   0)
     w_scale, bias = _column_weights(w_scale_ptr, bias_ptr, offs_n, mask_n, HAS_BIAS)
     if CONV_T:
         conv_slot, conv_win_slot = conv_update.conv_prologue(
             offs_m, offs_n, M, cut1, cw_ptr, cb_ptr, cs_ptr, slots_ptr, win_slots_ptr, stride_cwc, stride_sb,
             stride_sc, stride_sj, CONV_T, CONV_WIDTH, CONV_BIAS, PDL)
-    if EARLY_K:
-        # The weights do not depend on the kernel before: the first EARLY_K rows of K leave before the wait, while the
-        # kernel before runs (under PDL this one's programs sit resident meanwhile), instead of opening the launch.
-        offs_e = tl.arange(0, EARLY_K)
-        w_early = pdl.load_weights(w_cols + (k_lo + offs_e)[:, None], mask_n[None, :] & (k_lo + offs_e < k_hi)[:, None],
-                                   0)
     pdl.enter(PDL)
 
     if QUANT_X:

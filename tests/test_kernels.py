@@ -591,6 +591,30 @@ def test_every_table_config_compiles_for_sm90():
     assert all(wgmma == (c["BLOCK_M"] >= 64) for kernel, c, wgmma in done if kernel == "w8a8_gemm")
 
 
+def conv_epilogue_ptx() -> str:
+    """The PTX of the GDN input GEMM with the conv update in its epilogue, at the verify's 16-row config, for sm90."""
+    n, k = next((n, k) for name, n, k in shapes.TARGET if name == "gdn.in_proj_qkvzba")
+    config = {key: v for key, v in w8a8_gemm.table_config("verify", preset.BLOCK_SIZE, n, k).items() if key != "EARLY_TILES"}
+    pointers = {"x_ptr": "*i8", "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*i8",
+                "y_ptr": "*bf16", "ws_ptr": "*i32", "count_ptr": "*i32", "cw_ptr": "*bf16", "cb_ptr": "*bf16",
+                "cs_ptr": "*bf16", "slots_ptr": "*i32", "win_ptr": "*bf16", "win_slots_ptr": "*i32"}
+    return compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, pointers,
+                            {**config, "HAS_BIAS": False, "EARLY_K": config["BLOCK_K"], "SEGMENTED": True,
+                             "CONV_T": preset.BLOCK_SIZE, "CONV_WIDTH": shapes.GDN_CONV_WIDTH, "CONV_BIAS": False},
+                            ("N", "K", "stride_xm", "stride_wn", "cut1", "cut2", "cut3")).asm["ptx"]
+
+
+def test_the_input_gemm_asks_l2_for_the_convs_states_before_it_waits():
+    # pdl.prefetch is inline assembly whose result nothing reads: were it dropped, the conv after the K loop would read
+    # its states from HBM again, and no output would show it.
+    code = f"import json, sys\nsys.path.insert(0, {str(REPO / 'tests')!r})\nfrom test_kernels import conv_epilogue_ptx\n" \
+           "print(json.dumps(conv_epilogue_ptx()))"
+    result = run_python(code, env={"TRITON_INTERPRET": "0"}, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ptx = json.loads(result.stdout.strip().splitlines()[-1])
+    assert 0 <= ptx.find("prefetch.global.L2") < ptx.index("griddepcontrol.wait")
+
+
 def test_bench_kernels_prefill_attention_table_renders():
     from qflash.server.tools.bench_kernels import render_prefill_attention
 
