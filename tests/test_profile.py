@@ -147,6 +147,28 @@ def test_a_kernel_launched_early_under_pdl_is_charged_only_for_its_own_run():
     assert s["gpu_busy_ms"] == pytest.approx(0.15)
 
 
+def test_the_w8a8_gemms_are_listed_by_grid_and_the_kernel_before_them():
+    """Every projection runs one kernel: the grid names its table entry, the kernel before tells apart projections of
+    one grid (down after SiLU-and-multiply, out_proj after the gated norm); own time a launch, as families count it."""
+    def gemm(ts, dur, grid):
+        return {**kernel("_w8a8_gemm_kernel", ts, dur), "args": {"grid": grid}}
+
+    trace = {"traceEvents": [
+        kernel("_rms_norm_quant_kernel", 0, 2), gemm(1, 20, [576, 1, 1]), kernel("_silu_mul_quant_kernel", 20, 4),
+        gemm(23, 11, [80, 1, 1]),  # started 1 us into SiLU's run (PDL): charged 10 us
+        kernel("_gated_norm_quant_kernel", 34, 2), gemm(36, 6, [80, 1, 1]),
+        kernel("_silu_mul_quant_kernel", 42, 4), gemm(46, 12, [80, 1, 1])]}
+    s = summarize(trace, steps=1)
+    assert [row[:3] for row in s["gemm_launches"]] == [("80x1x1", "_silu_mul_quant_kernel", 2.0),
+                                                       ("576x1x1", "_rms_norm_quant_kernel", 1.0),
+                                                       ("80x1x1", "_gated_norm_quant_kernel", 1.0)]
+    assert [row[3:] for row in s["gemm_launches"]] == [(pytest.approx(11.0), pytest.approx(0.022)),
+                                                       (pytest.approx(19.0), pytest.approx(0.019)),
+                                                       (pytest.approx(6.0), pytest.approx(0.006))]
+    assert "| 80x1x1 | `_silu_mul_quant_kernel` | 2.0 | 11.00 | 0.0220 |" in render(s, "title")
+    assert "W8A8 GEMMs by grid" not in render(summarize({"traceEvents": [kernel("mystery", 0, 5)]}, steps=1), "title")
+
+
 def test_idle_gaps_inside_a_step_are_listed_by_the_kernels_around_them():
     """A copy between two kernels, or a kernel that waits for the whole one before it, leaves the GPU idle; a gap as
     long as the host's between steps is not counted; overlapping kernels (PDL, a side stream) leave none."""

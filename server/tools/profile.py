@@ -78,6 +78,7 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # torch profiler chrome
 # process-result), the model runner's forward steps inside run_batch, and the CUDA-graph launch calls.
 HOST_SPANS = r"^scheduler\.|^step\[|^copy_result_to_cpu$|^cudaGraphLaunch$"
 TOP_KERNELS = 40  # kernels listed by name: what each family is made of, e.g. torch's elementwise kernels
+TOP_GEMM_LAUNCHES = 12  # W8A8 GEMM rows by grid and the kernel before: a cycle of one request holds ~10
 TOP_GAPS, STEP_GAP_US = 12, 50  # idle gaps listed by the kernels around them; a longer one is the host between steps
 TIMELINE_ROWS = 120  # a prefill profile's first host spans and stretches of GPU work, listed in order
 SKIP_CHUNKS = 4  # streamed chunks (one per scheduler step) before profiling starts: prefill and first steps excluded
@@ -135,6 +136,23 @@ def own_times(kernels: list[dict]) -> dict[int, float]:
         own[id(e)] = max(0.0, end - max(e["ts"], reach))
         reach = max(reach, end)
     return own
+
+
+def gemm_launches(kernels: list[dict], own: dict[int, float], cycles: int) -> list[tuple]:
+    """qflash's W8A8 GEMMs by launch: (grid, the kernel started just before it, launches per cycle, own us a launch, ms
+    per cycle), the largest first. Every projection runs the one kernel, so its name says nothing of the shape; the
+    grid names the table entry, and where several projections share a grid (the 2,560-wide outputs) the kernel before
+    tells them apart (the down projection follows SiLU-and-multiply, out_proj the gated norm)."""
+    rows, before = {}, None
+    for e in sorted(kernels, key=lambda e: e["ts"]):
+        if re.search(dict(FAMILIES)["qflash W8A8 GEMM"], e["name"]):
+            grid = e.get("args", {}).get("grid")
+            key = ("x".join(map(str, grid)) if grid else "?", short_name(before["name"], 60) if before else "")
+            launches, us = rows.get(key, (0, 0.0))
+            rows[key] = (launches + 1, us + own[id(e)])
+        before = e
+    ranked = sorted(rows.items(), key=lambda kv: -kv[1][1])[:TOP_GEMM_LAUNCHES]
+    return [(grid, after, n / cycles, us / n, us * 1e-3 / cycles) for (grid, after), (n, us) in ranked]
 
 
 def _in_order(kernels: list[dict]):
@@ -345,6 +363,7 @@ def summarize(trace: dict, steps: int) -> dict:
         # (kernel, its family, launches per cycle, ms per cycle), the largest first
         "top_kernels": [(n, f, launches / cycles, us * 1e-3 / cycles)
                         for n, (us, launches, f) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]],
+        "gemm_launches": gemm_launches(kernels, own, cycles),
         # (SGLang kernel that qflash replaces, launches per cycle, what qflash runs instead), of those in the trace
         "replaced": [(n, launches / cycles, instead) for n, (_, launches, _) in per_kernel.items()
                      for name, instead in REPLACED.items() if re.match(rf"{name}\b", n)],
@@ -392,6 +411,12 @@ def render(summary: dict, title: str, family_floors: dict[str, float] | None = N
         lines += ["", f"SGLang kernels that qflash's hooks replace, launched in the cycle: {launched or 'none'}"]
     lines += ["", "| kernel | family | launches per cycle | ms per cycle |", "| --- | --- | ---: | ---: |"]
     lines += [f"| `{n}` | {f} | {launches:.1f} | {ms:.4f} |" for n, f, launches, ms in summary["top_kernels"]]
+    if summary["gemm_launches"]:
+        lines += ["", "qflash's W8A8 GEMMs by grid and the kernel started before each (which names the projection where "
+                  "grids repeat):", "", "| grid | after | launches per cycle | own us a launch | ms per cycle |",
+                  "| --- | --- | ---: | ---: | ---: |"]
+        lines += [f"| {grid} | `{after}` | {n:.1f} | {us:.2f} | {ms:.4f} |"
+                  for grid, after, n, us, ms in summary["gemm_launches"]]
     if summary["top_gaps"]:
         lines += ["", f"GPU idle inside a step (gaps under {STEP_GAP_US} us): {summary['gap_cycle_us']:.1f} us per "
                   "cycle; the largest by the kernels around them:", "",
