@@ -93,8 +93,8 @@ def conv_prologue(offs_m, offs_n, M, width, w_ptr, bias_ptr, state_ptr, slots_pt
     win_slot = pdl.load_settled(win_slots_ptr + b, mask=rows, other=0).to(tl.int64)
     chans = offs_n < width
     from_state = rows & (slot != PAD_SLOT) & (offs_m % T < WIDTH - 1)  # one row a state input: every state's line
-    pdl.prefetch(state_ptr + slot[:, None] * stride_sb + offs_n[None, :] * stride_sc + (offs_m % T)[:, None] * stride_sj,
-                 from_state[:, None] & chans[None, :], PDL)
+    states = state_ptr + slot[:, None] * stride_sb + offs_n[None, :] * stride_sc + (offs_m % T)[:, None] * stride_sj
+    pdl.prefetch(states, from_state[:, None] & chans[None, :], PDL)
     pdl.prefetch(w_ptr + offs_n * stride_wc, chans, PDL)
     if HAS_BIAS:
         pdl.prefetch(bias_ptr + offs_n, chans, PDL)

@@ -454,10 +454,25 @@ def distinct(configs):
     return [dict(c) for c in {tuple(sorted(c.items())) for c in configs}]
 
 
+# the W8A8 GEMM's pointer arguments but x's, and those of its conv epilogue
+GEMM_POINTERS = {"x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*i8", "y_ptr": "*bf16",
+                 "ws_ptr": "*i32", "count_ptr": "*i32"}
+CONV_POINTERS = {"cw_ptr": "*bf16", "cb_ptr": "*bf16", "cs_ptr": "*bf16", "slots_ptr": "*i32", "win_ptr": "*bf16",
+                 "win_slots_ptr": "*i32"}
+
+
+def compiled_apart(function: str, timeout: int = 900):
+    """What this file's `function`() returns (JSON), run in a process without Triton's interpreter, which patches
+    triton.language while it runs."""
+    code = f"import json, sys\nsys.path.insert(0, {str(REPO / 'tests')!r})\nfrom test_kernels import {function}\n" \
+           f"print(json.dumps({function}()))"
+    result = run_python(code, env={"TRITON_INTERPRET": "0"}, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def compile_every_table_config() -> list[tuple[str, dict, bool]]:
     """(kernel, config, uses wgmma) for every distinct config in the tables and defaults, compiled for sm90."""
-    scales = {"x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*i8", "y_ptr": "*bf16",
-              "ws_ptr": "*i32", "count_ptr": "*i32"}
     done = []
     gemm_ints = ("N", "K", "stride_xm", "stride_wn", "stride_ym")  # multiples of 16 at every served shape
     split_k = dict(w8a8_gemm.DEFAULT_DECODE, QUANT_X=False, SPLIT_K=4)  # the atomic split-K path compiles too
@@ -466,12 +481,12 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
             descriptors = {"x_desc": f"tensordesc<i8[{config['BLOCK_M']}, {config['BLOCK_K']}]>",
                            "w_desc": f"tensordesc<i8[{config['BLOCK_N']}, {config['BLOCK_K']}]>"}
             for segmented in (False, True):
-                kernel = compile_for_sm90(w8a8_gemm._w8a8_tma_kernel, {**descriptors, **scales},
+                kernel = compile_for_sm90(w8a8_gemm._w8a8_tma_kernel, {**descriptors, **GEMM_POINTERS},
                                           {**{k: v for k, v in config.items() if k not in ("TMA", "QUANT_X", "SPLIT_K")},
                                            "HAS_BIAS": False, "SEGMENTED": segmented}, ("N", "K", "cut1", "cut2", "cut3"))
             done.append(("w8a8_gemm", config, "wgmma" in kernel.asm["ptx"]))
             continue
-        pointers = {"x_ptr": "*bf16" if config["QUANT_X"] else "*i8", **scales}
+        pointers = {"x_ptr": "*bf16" if config["QUANT_X"] else "*i8", **GEMM_POINTERS}
         # weight tiles after or before the PDL wait (by the grid or the table's count, as served); the output in blocks
         constants = {k: v for k, v in config.items() if k != "EARLY_TILES"}
         for early, segmented in ((0, False), (config.get("EARLY_TILES", 1), False), (0, True)):
@@ -482,12 +497,10 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
         done.append(("w8a8_gemm", config, "wgmma" in kernel.asm["ptx"]))
     # the GDN input projection's verify configs with the conv update in the epilogue (server/hooks/gdn_input_proj.py)
     in_proj = next(n for name, n, _ in shapes.TARGET if name == "gdn.in_proj_qkvzba")
-    conv_pointers = {"cw_ptr": "*bf16", "cb_ptr": "*bf16", "cs_ptr": "*bf16", "slots_ptr": "*i32", "win_ptr": "*bf16",
-                     "win_slots_ptr": "*i32"}
     for (phase, m, n, _), config in w8a8_gemm.CONFIGS.items():
         if phase == "verify" and n == in_proj and w8a8_gemm.conv_fits(config, m, shapes.GDN_IN_PROJ_CUTS,
                                                                       preset.BLOCK_SIZE):
-            compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, {"x_ptr": "*i8", **scales, **conv_pointers},
+            compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, {"x_ptr": "*i8", **GEMM_POINTERS, **CONV_POINTERS},
                              {**{k: v for k, v in config.items() if k != "EARLY_TILES"}, "HAS_BIAS": False,
                               "EARLY_K": 0, "SEGMENTED": True, "CONV_T":
                               preset.BLOCK_SIZE, "CONV_WIDTH": shapes.GDN_CONV_WIDTH, "CONV_BIAS": False},
@@ -498,7 +511,7 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
         compile_for_sm90(per_token_quant._per_token_quant_kernel, {"x_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32"},
                          config)
         done.append(("per_token_quant", config, None))
-    pointers = {"x_ptr": "*bf16", "max_ptr": "*fp32", "idx_ptr": "*i32", **scales}
+    pointers = {"x_ptr": "*bf16", "max_ptr": "*fp32", "idx_ptr": "*i32", **GEMM_POINTERS}
     for module, kernel in ((w8a16_gemm, w8a16_gemm._w8a16_gemm_kernel), (w8a16_argmax, w8a16_argmax._w8a16_argmax_kernel)):
         for config in distinct([*module.CONFIGS.values(), module.DEFAULT]):
             compiled = compile_for_sm90(kernel, pointers, {**config, "DOT_DTYPE": triton.language.bfloat16}, gemm_ints)
@@ -577,12 +590,7 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
 
 
 def test_every_table_config_compiles_for_sm90():
-    # The interpreter patches triton.language while it runs, so compile in a process without it.
-    code = f"import json, sys\nsys.path.insert(0, {str(REPO / 'tests')!r})\nfrom test_kernels import compile_every_table_config\n" \
-           "print(json.dumps(compile_every_table_config()))"
-    result = run_python(code, env={"TRITON_INTERPRET": "0"}, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    done = json.loads(result.stdout.strip().splitlines()[-1])
+    done = compiled_apart("compile_every_table_config")
     tables = [*w8a8_gemm.CONFIGS.values(), *w8a16_gemm.CONFIGS.values(), *w8a16_argmax.CONFIGS.values(),
               *w4_draft_pick.CONFIGS.values(),
               *block_attention.CONFIGS.values(), *gdn_verify.VERIFY_CONFIGS.values(), *gdn_verify.FOLD_CONFIGS.values()]
@@ -594,11 +602,9 @@ def test_every_table_config_compiles_for_sm90():
 def conv_epilogue_ptx() -> str:
     """The PTX of the GDN input GEMM with the conv update in its epilogue, at the verify's 16-row config, for sm90."""
     n, k = next((n, k) for name, n, k in shapes.TARGET if name == "gdn.in_proj_qkvzba")
-    config = {key: v for key, v in w8a8_gemm.table_config("verify", preset.BLOCK_SIZE, n, k).items() if key != "EARLY_TILES"}
-    pointers = {"x_ptr": "*i8", "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*i8",
-                "y_ptr": "*bf16", "ws_ptr": "*i32", "count_ptr": "*i32", "cw_ptr": "*bf16", "cb_ptr": "*bf16",
-                "cs_ptr": "*bf16", "slots_ptr": "*i32", "win_ptr": "*bf16", "win_slots_ptr": "*i32"}
-    return compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, pointers,
+    config = w8a8_gemm.table_config("verify", preset.BLOCK_SIZE, n, k)
+    config = {key: v for key, v in config.items() if key != "EARLY_TILES"}
+    return compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, {"x_ptr": "*i8", **GEMM_POINTERS, **CONV_POINTERS},
                             {**config, "HAS_BIAS": False, "EARLY_K": config["BLOCK_K"], "SEGMENTED": True,
                              "CONV_T": preset.BLOCK_SIZE, "CONV_WIDTH": shapes.GDN_CONV_WIDTH, "CONV_BIAS": False},
                             ("N", "K", "stride_xm", "stride_wn", "cut1", "cut2", "cut3")).asm["ptx"]
@@ -607,11 +613,7 @@ def conv_epilogue_ptx() -> str:
 def test_the_input_gemm_asks_l2_for_the_convs_states_before_it_waits():
     # pdl.prefetch is inline assembly whose result nothing reads: were it dropped, the conv after the K loop would read
     # its states from HBM again, and no output would show it.
-    code = f"import json, sys\nsys.path.insert(0, {str(REPO / 'tests')!r})\nfrom test_kernels import conv_epilogue_ptx\n" \
-           "print(json.dumps(conv_epilogue_ptx()))"
-    result = run_python(code, env={"TRITON_INTERPRET": "0"}, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    ptx = json.loads(result.stdout.strip().splitlines()[-1])
+    ptx = compiled_apart("conv_epilogue_ptx")
     assert 0 <= ptx.find("prefetch.global.L2") < ptx.index("griddepcontrol.wait")
 
 

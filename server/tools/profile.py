@@ -412,8 +412,8 @@ def render(summary: dict, title: str, family_floors: dict[str, float] | None = N
     lines += ["", "| kernel | family | launches per cycle | ms per cycle |", "| --- | --- | ---: | ---: |"]
     lines += [f"| `{n}` | {f} | {launches:.1f} | {ms:.4f} |" for n, f, launches, ms in summary["top_kernels"]]
     if summary["gemm_launches"]:
-        lines += ["", "qflash's W8A8 GEMMs by grid and the kernel started before each (which names the projection where "
-                  "grids repeat):", "", "| grid | after | launches per cycle | own us a launch | ms per cycle |",
+        lines += ["", "qflash's W8A8 GEMMs by grid and the kernel started before each (which names the projection "
+                  "where grids repeat):", "", "| grid | after | launches per cycle | own us a launch | ms per cycle |",
                   "| --- | --- | ---: | ---: | ---: |"]
         lines += [f"| {grid} | `{after}` | {n:.1f} | {us:.2f} | {ms:.4f} |"
                   for grid, after, n, us, ms in summary["gemm_launches"]]
