@@ -51,9 +51,9 @@ def _y_offsets(offs_m, offs_n, M, N, cut1, cut2, cut3, SEGMENTED: tl.constexpr):
 
 @triton.jit
 def _column_weights(w_scale_ptr, bias_ptr, offs_n, mask_n, HAS_BIAS: tl.constexpr):
-    """The tile's column scales and bias (the scales where there is none), loaded at the program's start: weights,
-    which may come before the PDL wait; loaded after the K loop, their miss in HBM (L2 holds none of a layer's
-    bytes a cycle later) would delay every program's epilogue."""
+    """The tile's column scales and bias (without one, the scales stand in, unread), loaded at the program's start:
+    weights, which may come before the PDL wait; loaded after the K loop, their miss in HBM (L2 holds none of a
+    layer's bytes a cycle later) would delay every program's epilogue."""
     w_scale = pdl.load_weights(w_scale_ptr + offs_n, mask=mask_n, other=0.0)
     bias = w_scale
     if HAS_BIAS:
