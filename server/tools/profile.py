@@ -143,9 +143,9 @@ def gemm_launches(kernels: list[dict], own: dict[int, float], cycles: int) -> li
     per cycle), the largest first. Every projection runs the one kernel, so its name says nothing of the shape; the
     grid names the table entry, and where several projections share a grid (the 2,560-wide outputs) the kernel before
     tells them apart (the down projection follows SiLU-and-multiply, out_proj the gated norm)."""
-    rows, before = {}, None
+    rows, before, w8a8 = {}, None, re.compile(dict(FAMILIES)["qflash W8A8 GEMM"])
     for e in sorted(kernels, key=lambda e: e["ts"]):
-        if re.search(dict(FAMILIES)["qflash W8A8 GEMM"], e["name"]):
+        if w8a8.search(e["name"]):
             grid = e.get("args", {}).get("grid")
             key = ("x".join(map(str, grid)) if grid else "?", short_name(before["name"], 60) if before else "")
             launches, us = rows.get(key, (0, 0.0))
