@@ -19,7 +19,8 @@ from qflash.kernels.per_token_quant import launch_config, quantize_row
 
 @triton.jit
 def _gated_norm_quant_kernel(x_ptr, z_ptr, w_ptr, y_ptr, q_ptr, scale_ptr, eps, stride_x, stride_z, stride_y,
-                             stride_q, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr):
+                             stride_q, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, WRITE_Y: tl.constexpr,
+                             PDL: tl.constexpr):
     token = tl.program_id(0)
     head_rows = token * HEADS + tl.arange(0, HEADS)[:, None]
     cols = tl.arange(0, HEAD_DIM)[None, :]
@@ -30,7 +31,8 @@ def _gated_norm_quant_kernel(x_ptr, z_ptr, w_ptr, y_ptr, q_ptr, scale_ptr, eps, 
     y = x * rstd[:, None] * w
     z = tl.load(z_ptr + head_rows * stride_z + cols).to(tl.float32)
     y = (y * (z * tl.sigmoid(z))).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + head_rows * stride_y + cols, y)
+    if WRITE_Y:
+        tl.store(y_ptr + head_rows * stride_y + cols, y)
     q, scale = quantize_row(y.to(tl.float32))
     tl.store(q_ptr + token * stride_q + tl.arange(0, HEADS)[:, None] * HEAD_DIM + cols, q)
     tl.store(scale_ptr + token, scale)
@@ -47,9 +49,10 @@ def takes(x: torch.Tensor, z: torch.Tensor, row_width: int) -> bool:
 
 
 def gated_norm_quant(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
-                     row_width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     row_width: int, write_out: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x, z [tokens * heads, head_dim] -> (RMSNorm(x) * weight * silu(z) of the same shape, its int8 rows
-    [tokens, row_width], fp32 scales [tokens]); see `takes` for the shapes covered."""
+    [tokens, row_width], fp32 scales [tokens]); see `takes` for the shapes covered. With `write_out` False the first
+    is allocated, never written."""
     head_dim = x.shape[-1]
     heads, tokens = row_width // head_dim, x.shape[0] * head_dim // row_width
     y = torch.empty_like(x)
@@ -57,6 +60,7 @@ def gated_norm_quant(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps
     scale = torch.empty((tokens,), dtype=torch.float32, device=x.device)
     if tokens:
         _gated_norm_quant_kernel[(tokens,)](x, z, weight, y, q, scale, eps, x.stride(0), z.stride(0), y.stride(0),
-                                            q.stride(0), HEADS=heads, HEAD_DIM=head_dim, enable_fp_fusion=False,
+                                            q.stride(0), HEADS=heads, HEAD_DIM=head_dim, WRITE_Y=write_out,
+                                            enable_fp_fusion=False,
                                             num_warps=launch_config(row_width)["num_warps"], **pdl.options(x.device))
     return y, q, scale

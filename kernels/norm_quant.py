@@ -23,7 +23,7 @@ from qflash.kernels.per_token_quant import launch_config, quantize_row
 @triton.jit
 def _rms_norm_quant_kernel(x_ptr, res_ptr, tap_ptr, w_ptr, y_ptr, q_ptr, scale_ptr, K, eps, weight_offset,
                              stride_x, stride_res, stride_tap, stride_y, stride_q, HAS_RESIDUAL: tl.constexpr,
-                             HAS_TAP: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                             HAS_TAP: tl.constexpr, WRITE_Y: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_K)
     mask = offs < K
@@ -38,7 +38,8 @@ def _rms_norm_quant_kernel(x_ptr, res_ptr, tap_ptr, w_ptr, y_ptr, q_ptr, scale_p
         tl.store(tap_ptr + row * stride_tap + offs, x.to(tap_ptr.dtype.element_ty), mask=mask)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / K + eps)
     y = (x * rstd * (weight_offset + w)).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + row * stride_y + offs, y, mask=mask)
+    if WRITE_Y:
+        tl.store(y_ptr + row * stride_y + offs, y, mask=mask)
     q, scale = quantize_row(y.to(tl.float32))
     tl.store(q_ptr + row * stride_q + offs, q, mask=mask)
     tl.store(scale_ptr + row, scale)
@@ -46,10 +47,10 @@ def _rms_norm_quant_kernel(x_ptr, res_ptr, tap_ptr, w_ptr, y_ptr, q_ptr, scale_p
 
 def rms_norm_quant(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float,
                    out: torch.Tensor, gemma: bool = True,
-                   tap: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   tap: Optional[torch.Tensor] = None, write_out: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """out = RMSNorm(x + residual) [M, K], Gemma's (1 + w) or plain w (residual, when given, becomes x + residual;
     out may be x; `tap` [M, K], unit stride in K, when given, gets x + residual too); returns its (int8 [M, K], fp32
-    scales [M])."""
+    scales [M]). With `write_out` False out is left as it was: only the int8 rows of the norm are written."""
     M, K = x.shape
     q = torch.empty((M, K), dtype=torch.int8, device=x.device)
     scale = torch.empty((M,), dtype=torch.float32, device=x.device)
@@ -58,6 +59,6 @@ def rms_norm_quant(x: torch.Tensor, residual: Optional[torch.Tensor], weight: to
         tap_out = res if tap is None else tap
         _rms_norm_quant_kernel[(M,)](x, res, tap_out, weight, out, q, scale, K, eps, float(gemma), x.stride(0),
                                        res.stride(0), tap_out.stride(0), out.stride(0), q.stride(0),
-                                       HAS_RESIDUAL=residual is not None, HAS_TAP=tap is not None,
+                                       HAS_RESIDUAL=residual is not None, HAS_TAP=tap is not None, WRITE_Y=write_out,
                                        enable_fp_fusion=False, **launch_config(K), **pdl.options(x.device))
     return q, scale

@@ -17,7 +17,7 @@ from qflash.kernels.per_token_quant import launch_config, quantize_row
 
 @triton.jit
 def _sigmoid_mul_quant_kernel(attn_ptr, gate_ptr, q_ptr, scale_ptr, D, stride_gate_row, stride_gate_head,
-                              HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                              HEAD_DIM: tl.constexpr, WRITE_Y: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
@@ -27,7 +27,8 @@ def _sigmoid_mul_quant_kernel(attn_ptr, gate_ptr, q_ptr, scale_ptr, D, stride_ga
     gate = tl.load(gate_ptr + row * stride_gate_row + head * stride_gate_head + offs - head * HEAD_DIM, mask=mask,
                    other=0.0).to(tl.float32)
     y = (attn * tl.sigmoid(gate)).to(attn_ptr.dtype.element_ty)
-    tl.store(attn_ptr + row * D + offs, y, mask=mask)
+    if WRITE_Y:
+        tl.store(attn_ptr + row * D + offs, y, mask=mask)
     q, scale = quantize_row(y.to(tl.float32))
     tl.store(q_ptr + row * D + offs, q, mask=mask)
     tl.store(scale_ptr + row, scale)
@@ -50,14 +51,16 @@ def takes(attn: torch.Tensor, gate: torch.Tensor) -> bool:
     return gate.shape == attn.shape and gate.is_contiguous()
 
 
-def sigmoid_mul_quant(attn: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sigmoid_mul_quant(attn: torch.Tensor, gate: torch.Tensor,
+                      write_out: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """attn [T, hidden] *= sigmoid(gate) in place (`takes`); returns the result's int8 [T, hidden] and fp32 scales
-    [T]."""
+    [T]. With `write_out` False attn is left as it was: only the int8 rows of the product are written."""
     T, D = attn.shape
     q = torch.empty((T, D), dtype=torch.int8, device=attn.device)
     scale = torch.empty((T,), dtype=torch.float32, device=attn.device)
     if T:
         stride_row, stride_head, head_dim = _gate_strides(attn, gate)
         _sigmoid_mul_quant_kernel[(T,)](attn, gate, q, scale, D, stride_row, stride_head, HEAD_DIM=head_dim,
-                                        enable_fp_fusion=False, **launch_config(D), **pdl.options(attn.device))
+                                        WRITE_Y=write_out, enable_fp_fusion=False, **launch_config(D),
+                                        **pdl.options(attn.device))
     return q, scale

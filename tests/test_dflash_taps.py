@@ -49,7 +49,7 @@ def _layers(qflash_norm: bool):
     communicators = []
     for place in range(TAPS):
         norm = _norm(GemmaRMSNorm, WIDTH)
-        handoff.mark(norm, qflash_norm, WIDTH)
+        handoff.mark(norm, [qflash_norm, False], WIDTH)  # `_forward` reads the norm's output too
         norm.forward = (lambda n: lambda x, r=None: _rms_norm(True)(type(n).forward_native, n, x, r))(norm)
         communicators.append(_Communicator(norm, place))
     return communicators

@@ -569,7 +569,7 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
     compile_for_sm90(conv_update._conv_update_kernel, pointers, config)
     done.append(("conv_update", config, None))
     config = dict(per_token_quant.launch_config(dict((name, k) for name, _, k in shapes.TARGET)["attn.o_proj"]),
-                  HEAD_DIM=shapes.ATTENTION_HEADS[2])  # the attention output gate
+                  HEAD_DIM=shapes.ATTENTION_HEADS[2], WRITE_Y=False)  # the attention output gate, read by o_proj alone
     compile_for_sm90(sigmoid_mul_quant._sigmoid_mul_quant_kernel,
                      {"attn_ptr": "*bf16", "gate_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32"}, config)
     done.append(("sigmoid_mul_quant", config, None))

@@ -17,6 +17,28 @@ from qflash.server.hooks.quant_handoff import (_gate_with_int8_output, _gated_no
 from test_kernels import BF16_ULP, DEVICE, int8_weight, quant_reference
 
 EPS = 1e-6
+# What reads a producer's output, as `handoff.mark` takes it (whether each reader is a W8A8 projection):
+READ_TOO = [True, False]  # a W8A8 projection, and a reader of the output itself (it must be written)
+INT8_ONLY = [True]  # W8A8 projections only (only the int8 rows are written)
+
+
+@pytest.fixture(autouse=True)
+def _no_offer_across_tests(monkeypatch):
+    """Each test starts with no output offered, and leaves none behind it for the next."""
+    monkeypatch.setattr(handoff, "_offered", None)
+    monkeypatch.setattr(handoff, "_untaken", None)
+
+
+@pytest.fixture
+def unwritten_is_nan():
+    """torch.empty fills float memory with NaN (ints with their maximum): an output left unwritten shows as NaN."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(deterministic)
+    torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def rows(m, k, seed, scale=1.0):
@@ -96,6 +118,45 @@ def test_the_gate_writes_sglangs_bits_in_place_and_the_int8_rows_of_what_it_wrot
     assert torch.equal(q.cpu(), q_ref) and torch.equal(scale.cpu(), scale_ref)
 
 
+def _producer_calls(producer):
+    """(inputs, call(inputs, write_out) -> (output, int8 rows, scales)) for one of the four producers' kernels."""
+    if producer in ("norm", "first layer's norm"):
+        x, residual, weight = rows(5, 300, 1), rows(5, 300, 2) if producer == "norm" else None, rows(1, 300, 3)[0] * 0.1
+
+        def norm(t, write_out):
+            x, residual = t
+            out = torch.empty_like(x) if residual is None else x
+            return (out, *rms_norm_quant(x, residual, weight, EPS, out, write_out=write_out))
+        return (x, residual), norm
+    if producer == "gated norm":
+        weight = rows(1, 32, 18)[0]
+        return ((rows(12, 32, 16, 2.0), rows(12, 32, 17, 3.0)),
+                lambda t, write_out: gated_norm_quant(*t, weight, EPS, 4 * 32, write_out))
+    if producer == "silu":
+        return (rows(6, 2 * 200, 4, scale=3.0),), lambda t, write_out: silu_mul_quant(*t, write_out)
+    attn, q_gate = rows(5, 16 * 256, 24, 2.0), rows(5, 2 * 16 * 256, 25, 3.0)
+    return (attn, q_gate[:, ::2].contiguous()), lambda t, write_out: (t[0], *sigmoid_mul_quant(*t, write_out))
+
+
+@pytest.mark.parametrize("producer", ["norm", "first layer's norm", "gated norm", "silu", "gate"])
+def test_a_kernel_whose_output_goes_unread_writes_only_its_int8_rows(producer, unwritten_is_nan):
+    """The int8 rows and scales of the output it would have written, the output's memory as it was (in place: the
+    input's bits; else unwritten NaN), and the rest (the residual sum) as written."""
+    inputs, call = _producer_calls(producer)
+    copies = tuple(None if t is None else t.clone() for t in inputs)
+    out, q, scale = call(inputs, False)
+    expected_out, expected_q, expected_scale = call(copies, True)
+    assert torch.equal(q, expected_q) and torch.equal(scale, expected_scale)
+    assert not expected_out.isnan().any()
+    if producer in ("norm", "gate"):  # in place: the input as it came
+        assert out is inputs[0] and torch.equal(out, _producer_calls(producer)[0][0])
+        assert not torch.equal(out, expected_out)
+    else:
+        assert out.isnan().all()
+    if producer == "norm":
+        assert torch.equal(inputs[1], copies[1])  # the residual sum, written as ever
+
+
 def test_a_projection_reads_the_offered_rows_only_for_that_tensor_unchanged():
     x, q, scale = rows(4, 64, 5), torch.ones(4, 64, dtype=torch.int8), torch.ones(4)
     handoff.offer(x, q, scale)
@@ -107,6 +168,18 @@ def test_a_projection_reads_the_offered_rows_only_for_that_tensor_unchanged():
     assert handoff.take(x[1:]) == (None, None) and handoff.take(x[:, :32]) == (None, None)
     x.view(4, 64)[0, 0] = 1  # changed since, through a view: quantized anew
     assert handoff.take(x) == (None, None)
+
+
+def test_an_output_left_unwritten_must_be_taken_whole_before_the_next_offer():
+    x, q, scale = rows(4, 64, 5), torch.ones(4, 64, dtype=torch.int8), torch.ones(4)
+    handoff.offer(x, q, scale, written=False)
+    assert handoff.take(x.clone()) == (None, None)  # other memory: quantized anew, as ever
+    with pytest.raises(RuntimeError, match="left unwritten"):
+        handoff.take(x.view(8, 32))  # its memory as other rows: they would quantize bits never written
+    with pytest.raises(RuntimeError, match="no W8A8 projection took"):
+        handoff.offer(rows(4, 64, 6), q, scale)  # whatever read it instead read bits never written
+    assert handoff.take(x) == (q, scale) and handoff.take(x) == (q, scale)  # taken (by a GDN layer's two projections)
+    handoff.offer(rows(4, 64, 6), q, scale)  # so the next offer goes ahead
 
 
 class _Linear(torch.nn.Module):
@@ -145,7 +218,7 @@ def test_a_marked_norm_runs_the_quantizing_kernel_in_place_and_offers_its_rows(g
     from sglang.srt.layers.layernorm import GemmaRMSNorm, RMSNorm
 
     norm, x, residual = _norm(GemmaRMSNorm if gemma else RMSNorm, 300), rows(4, 300, 9), rows(4, 300, 10)
-    handoff.mark(norm, True, 300)
+    handoff.mark(norm, READ_TOO, 300)
     x0, r0 = x.clone(), residual.clone()
     out, res = _rms_norm(gemma)(_never, norm, x, residual)
     assert out is x and res is residual  # in place, as SGLang's fused add-norm
@@ -170,7 +243,7 @@ def test_a_marked_gated_norm_offers_each_tokens_row_as_the_projection_reads_it()
     which must find the rows though it is another view."""
     tokens, heads, head_dim = 3, 4, 32
     norm = _gated_norm(head_dim)
-    handoff.mark(norm, True, heads * head_dim)
+    handoff.mark(norm, READ_TOO, heads * head_dim)
     x, z = rows(tokens * heads, head_dim, 20), rows(tokens * heads, head_dim, 21)
     out = _gated_norm_with_int8_output(_never, norm, x, z)
     assert within_ulp(out, gated_reference(x, z, norm.weight.data), ulps=3)
@@ -180,11 +253,45 @@ def test_a_marked_gated_norm_offers_each_tokens_row_as_the_projection_reads_it()
     assert handoff.take(out) == (None, None)  # rows of one head are not what was quantized
 
 
+def _hooked_producer(producer):
+    """(the module's call through its hook, its projection's input from its output, the projection) of SGLang's modules
+    as a layer calls them."""
+    from sglang.srt.layers.layernorm import GemmaRMSNorm
+
+    if producer == "norm":
+        norm, x, residual = _norm(GemmaRMSNorm, 300), rows(4, 300, 9), rows(4, 300, 10)
+        return norm, lambda: _rms_norm(True)(_never, norm, x.clone(), residual.clone())[0], lambda out: out, 300
+    if producer == "gated norm":
+        norm, x, z = _gated_norm(32), rows(12, 32, 20), rows(12, 32, 21)
+        return (norm, lambda: _gated_norm_with_int8_output(_never, norm, x, z), lambda out: out.reshape(3, 4 * 32),
+                4 * 32)
+    act, x = torch.nn.Module(), rows(4, 2 * 96, 15)
+    return act, lambda: _silu_mul_with_int8_output(_never, act, x), lambda out: out, 96
+
+
+@pytest.mark.parametrize("producer", ["norm", "gated norm", "silu"])
+def test_a_producer_read_by_projections_only_hands_them_the_same_rows_and_leaves_its_output_unwritten(
+        producer, unwritten_is_nan):
+    module, call, projection_input, width = _hooked_producer(producer)
+    linear = _Linear(48, width, 6)
+    results = []
+    for readers in (READ_TOO, INT8_ONLY):
+        handoff.mark(module, readers, width)
+        out = call()
+        results.append((out.clone(), linear.quant_method.apply(linear, projection_input(out))))
+    (written, expected), (unwritten, projected) = results
+    assert torch.equal(projected, expected) and not written.isnan().any()
+    if producer == "norm":  # in place: the output's memory is the input's, as it came
+        assert torch.equal(unwritten, rows(4, 300, 9))
+    else:
+        assert unwritten.isnan().all()
+
+
 @pytest.mark.parametrize("case", ["unmarked", "no gate", "sigmoid gate", "heads not a power of two"])
 def test_a_gated_norm_the_kernel_does_not_cover_keeps_sglangs(case):
     heads = 3 if case == "heads not a power of two" else 4
     norm = _gated_norm(32, **({"activation": "sigmoid"} if case == "sigmoid gate" else {}))
-    handoff.mark(norm, case != "unmarked", heads * 32)
+    handoff.mark(norm, [False] if case == "unmarked" else READ_TOO, heads * 32)
     x = rows(2 * heads, 32, 22)
     z = None if case == "no gate" else rows(2 * heads, 32, 23)
     assert _gated_norm_with_int8_output(lambda *a: "sglang", norm, x, z) == "sglang"
@@ -195,14 +302,14 @@ def test_an_unmarked_module_keeps_sglangs_kernel():
 
     norm, act, x = _norm(GemmaRMSNorm, 300), torch.nn.Module(), rows(4, 300, 13)
     assert runs_w8a8(_Linear(16, 300, 14)) and not runs_w8a8(torch.nn.Linear(300, 16))
-    handoff.mark(norm, False, 300)
+    handoff.mark(norm, [False], 300)
     calls = []
     _rms_norm(True)(lambda *a: calls.append("norm") or a[1], norm, x, None)
     _silu_mul_with_int8_output(lambda *a: calls.append("act") or a[1], act, x)
-    handoff.mark(norm, True, 300)
+    handoff.mark(norm, READ_TOO, 300)
     _rms_norm(True)(lambda *a: calls.append("norm+") or a[1], norm, x, None, x)  # post-residual addition
     variant = RMSNorm(300, eps=EPS, cast_x_before_out_mul=True)  # a variant SGLang's forward treats apart
-    handoff.mark(variant, True, 300)
+    handoff.mark(variant, READ_TOO, 300)
     _rms_norm(False)(lambda *a: calls.append("variant") or a[1], variant, x, None)
     assert calls == ["norm", "act", "norm+", "variant"]
 
@@ -213,9 +320,9 @@ def test_the_gate_offers_its_rows_only_inside_a_marked_attention_layer():
     layer = torch.nn.Module()
     layer.self_attention = lambda: _gate_with_int8_output(_never, attn, gate, inplace=True)
     assert _gate_with_int8_output(sglang, attn, gate, inplace=True) == "sglang"  # outside any attention layer
-    handoff.mark(layer, False, 128)
+    handoff.mark(layer, [False], 128)
     assert _name_the_gated_layer(lambda self: _gate_with_int8_output(sglang, attn, gate, inplace=True), layer) == "sglang"
-    handoff.mark(layer, True, 128)
+    handoff.mark(layer, READ_TOO, 128)
     assert _name_the_gated_layer(lambda self: _gate_with_int8_output(sglang, attn, gate), layer) == "sglang"  # a copy
     out = _name_the_gated_layer(lambda self: self.self_attention(), layer)
     assert out is attn and torch.equal(handoff.take(out)[0].cpu(), quant_reference(out.cpu())[0])
@@ -224,7 +331,7 @@ def test_the_gate_offers_its_rows_only_inside_a_marked_attention_layer():
 
 def test_a_marked_activation_offers_its_rows():
     act, x = torch.nn.Module(), rows(3, 2 * 96, 15)
-    handoff.mark(act, True, 96)
+    handoff.mark(act, READ_TOO, 96)
     out = _silu_mul_with_int8_output(_never, act, x)
     assert out.shape == (3, 96) and handoff.take(out)[0] is not None
 
@@ -237,8 +344,9 @@ def _module(**children):
 
 
 def test_each_layers_producers_of_w8a8_input_are_marked_with_their_projections_row_width():
-    """The names of SGLang's layers: a target's Gated-DeltaNet layer, a DFlash drafter layer, and one whose QKV is
-    a plain bf16 linear (so its input norm keeps SGLang's kernel)."""
+    """The names of SGLang's layers: a target's Gated-DeltaNet layer, the same with a plain bf16 in_proj_ba (its input
+    norm must write its output for it), a DFlash drafter layer, and one whose QKV is a plain bf16 linear (so its input
+    norm keeps SGLang's kernel)."""
     from qflash.server.models.qwen3_5_text import mark_int8_handoffs
 
     def w8a8(n, k, row_parallel=False):
@@ -248,30 +356,35 @@ def test_each_layers_producers_of_w8a8_input_are_marked_with_their_projections_r
             linear.input_size_per_partition = k
         return linear
 
-    gdn = _module(input_layernorm=torch.nn.Module(), post_attention_layernorm=torch.nn.Module(),
-                  linear_attn=_module(in_proj_qkvz=w8a8(96, 64), in_proj_ba=w8a8(8, 64), norm=torch.nn.Module(),
-                                      out_proj=w8a8(64, 128, row_parallel=True)),
-                  mlp=_module(gate_up_proj=w8a8(192, 64), act_fn=torch.nn.Module(), down_proj=w8a8(64, 96)))
-    def qkv(method):
-        linear = torch.nn.Linear(64, 96)
-        linear.input_size, linear.quant_method = 64, method
+    def plain(n, k, method=None):
+        linear = torch.nn.Linear(k, n)
+        linear.input_size, linear.quant_method = k, method
         return linear
 
+    def mlp():
+        return _module(gate_up_proj=w8a8(192, 64), act_fn=torch.nn.Module(), down_proj=w8a8(64, 96))
+
+    gdn, gdn_plain_ba = (_module(input_layernorm=torch.nn.Module(), post_attention_layernorm=torch.nn.Module(),
+                                 linear_attn=_module(in_proj_qkvz=w8a8(96, 64), in_proj_ba=ba, norm=torch.nn.Module(),
+                                                     out_proj=w8a8(64, 128, row_parallel=True)), mlp=mlp())
+                         for ba in (w8a8(8, 64), plain(8, 64)))
     drafter, plain_qkv = (_module(input_layernorm=torch.nn.Module(), post_attention_layernorm=torch.nn.Module(),
-                                  self_attn=_module(qkv_proj=qkv(method)),
-                                  mlp=_module(gate_up_proj=w8a8(192, 64), act_fn=torch.nn.Module(), down_proj=w8a8(64, 96)))
+                                  self_attn=_module(qkv_proj=plain(96, 64, method)), mlp=mlp())
                           for method in (DrafterQKVMethod(), None))
     attention = _module(input_layernorm=torch.nn.Module(), post_attention_layernorm=torch.nn.Module(),
-                        qkv_proj=w8a8(160, 64), o_proj=w8a8(64, 128, row_parallel=True),
-                        mlp=_module(gate_up_proj=w8a8(192, 64), act_fn=torch.nn.Module(), down_proj=w8a8(64, 96)))
-    assert mark_int8_handoffs([gdn, drafter, plain_qkv, attention]) == 4 + 3 + 2 + 4
-    layers = (("gdn", gdn), ("drafter", drafter), ("plain_qkv", plain_qkv), ("attention", attention))
-    marks = {(layer, name): (getattr(module, handoff.MARK), getattr(module, handoff.ROW_WIDTH))
+                        qkv_proj=w8a8(160, 64), o_proj=w8a8(64, 128, row_parallel=True), mlp=mlp())
+    assert mark_int8_handoffs([gdn, gdn_plain_ba, drafter, plain_qkv, attention]) == 4 + 4 + 3 + 2 + 4
+    layers = (("gdn", gdn), ("gdn_plain_ba", gdn_plain_ba), ("drafter", drafter), ("plain_qkv", plain_qkv),
+              ("attention", attention))
+    marks = {(layer, name): tuple(getattr(module, attr) for attr in (handoff.MARK, handoff.ONLY, handoff.ROW_WIDTH))
              for layer, model in layers for name, module in model.named_modules() if hasattr(module, handoff.MARK)}
+    only, none = (True, True), (False, False)  # (int8 rows, only those)
     layer_norms_and_mlp = lambda layer, input_norm: {
-        (layer, "input_layernorm"): input_norm, (layer, "post_attention_layernorm"): (True, 64),
-        (layer, "mlp.act_fn"): (True, 96)}
-    assert marks == {("gdn", ""): (False, 0), ("gdn", "linear_attn.norm"): (True, 128), ("drafter", ""): (False, 0),
-                     ("plain_qkv", ""): (False, 0), ("attention", ""): (True, 128),
-                     **layer_norms_and_mlp("gdn", (True, 64)), **layer_norms_and_mlp("drafter", (True, 64)),
-                     **layer_norms_and_mlp("plain_qkv", (False, 64)), **layer_norms_and_mlp("attention", (True, 64))}
+        (layer, "input_layernorm"): (*input_norm, 64), (layer, "post_attention_layernorm"): (*only, 64),
+        (layer, "mlp.act_fn"): (*only, 96)}
+    assert marks == {("gdn", ""): (*none, 0), ("gdn", "linear_attn.norm"): (*only, 128),
+                     ("gdn_plain_ba", ""): (*none, 0), ("gdn_plain_ba", "linear_attn.norm"): (*only, 128),
+                     ("drafter", ""): (*none, 0), ("plain_qkv", ""): (*none, 0), ("attention", ""): (*only, 128),
+                     **layer_norms_and_mlp("gdn", only), **layer_norms_and_mlp("gdn_plain_ba", (True, False)),
+                     **layer_norms_and_mlp("drafter", only), **layer_norms_and_mlp("plain_qkv", none),
+                     **layer_norms_and_mlp("attention", only)}

@@ -2,17 +2,17 @@
 quantize their output.
 
 SGLang 0.5.17 runs RMSNorm and GemmaRMSNorm (with their residual add) and SiluAndMul on its CUDA kernels, and
-Gated-DeltaNet's gated output norm on FLA's Triton kernel; qflash's W8A8 GEMM then quantizes each output per
-token in a launch of its own: 156 of a cycle's 170 quantizations follow one of these. For a module qflash's model
-classes marked (quant/handoff.py `mark`), the forward runs qflash's kernel that writes the same output and its
-int8 rows in one launch, and hands the rows to the projections. Unmarked modules (the final norms) and calls the
-fused kernels do not cover keep SGLang's path. Hooked on each class's `forward_cuda` (which each instance binds as
-its forward when SGLang builds the model), the gated norm's `forward`. The target's attention output gate before
-o_proj is a function (`fused_sigmoid_mul`, in place), not a module: the attention layer names itself around its
-`self_attention` (the layer is marked under "" in the model's INT8_HANDOFFS), and the gate called inside a marked
-layer writes o_proj's int8 rows too. Retire when SGLang's norms, activations and gates hand a quantized output to
-int8 W8A8 linears on CUDA, as its fused allreduce-norm-quant path does for fp8 linears on ROCm
-(`_linear_accepts_fp8_tuple`).
+Gated-DeltaNet's gated output norm on FLA's Triton kernel; qflash's W8A8 GEMM then quantizes each output per token
+in a launch of its own: 156 of a cycle's 170 quantizations follow one of these. For a module qflash's model classes
+marked (quant/handoff.py `mark`), the forward runs qflash's kernel that writes the same output and its int8 rows in
+one launch (only those rows where the projections are all that read it), and hands the rows to the projections.
+Unmarked modules (the final norms) and calls the fused kernels do not cover keep SGLang's path. Hooked on each
+class's `forward_cuda` (which each instance binds as its forward when SGLang builds the model), the gated norm's
+`forward`. The target's attention output gate before o_proj is a function (`fused_sigmoid_mul`, in place), not a
+module: the attention layer names itself around its `self_attention` (the layer is marked under "" in the model's
+INT8_HANDOFFS), and the gate called inside a marked layer writes o_proj's int8 rows too. Retire when SGLang's norms,
+activations and gates hand a quantized output to int8 W8A8 linears on CUDA, as its fused allreduce-norm-quant path
+does for fp8 linears on ROCm (`_linear_accepts_fp8_tuple`).
 """
 
 import torch
@@ -35,9 +35,9 @@ def _rms_norm(gemma: bool):
         from qflash.kernels.norm_quant import rms_norm_quant
 
         out = torch.empty_like(x) if residual is None else x  # SGLang's kernels: out of place alone, else in place
-        tap = dflash_taps.take(self, x)
-        x_q, x_scale = rms_norm_quant(x, residual, self.weight.data, self.variance_epsilon, out, gemma, tap)
-        handoff.offer(out, x_q, x_scale)
+        tap, write = dflash_taps.take(self, x), not handoff.only_int8_read(self)
+        x_q, x_scale = rms_norm_quant(x, residual, self.weight.data, self.variance_epsilon, out, gemma, tap, write)
+        handoff.offer(out, x_q, x_scale, write)
         return out if residual is None else (out, residual)
 
     return with_int8_output
@@ -51,8 +51,9 @@ def _gated_norm_with_int8_output(original, self, x, z=None):
             or not self.norm_before_gate or self.activation not in ("swish", "silu")
             or not gated_norm_quant.takes(x, z, row_width)):
         return original(self, x, z)
-    out, x_q, x_scale = gated_norm_quant.gated_norm_quant(x, z, self.weight.data, self.eps, row_width)
-    handoff.offer(out.view(x_q.shape), x_q, x_scale)  # as the projection reads it: a token's heads in one row
+    write = not handoff.only_int8_read(self)
+    out, x_q, x_scale = gated_norm_quant.gated_norm_quant(x, z, self.weight.data, self.eps, row_width, write)
+    handoff.offer(out.view(x_q.shape), x_q, x_scale, write)  # as the projection reads it: a token's heads in one row
     return out
 
 
@@ -61,8 +62,9 @@ def _silu_mul_with_int8_output(original, self, x):
         return original(self, x)
     from qflash.kernels.silu_mul_quant import silu_mul_quant
 
-    out, x_q, x_scale = silu_mul_quant(x)
-    handoff.offer(out, x_q, x_scale)
+    write = not handoff.only_int8_read(self)
+    out, x_q, x_scale = silu_mul_quant(x, write)
+    handoff.offer(out, x_q, x_scale, write)
     return out
 
 
@@ -86,8 +88,9 @@ def _gate_with_int8_output(original, attn_output, gate, inplace=False):
     if (not inplace or _gated_layer is None or not handoff.wanted(_gated_layer, attn_output)
             or not sigmoid_mul_quant.takes(attn_output, gate)):
         return original(attn_output, gate, inplace=inplace)
-    x_q, x_scale = sigmoid_mul_quant.sigmoid_mul_quant(attn_output, gate)
-    handoff.offer(attn_output, x_q, x_scale)
+    write = not handoff.only_int8_read(_gated_layer)
+    x_q, x_scale = sigmoid_mul_quant.sigmoid_mul_quant(attn_output, gate, write)
+    handoff.offer(attn_output, x_q, x_scale, write)
     return attn_output
 
 

@@ -61,7 +61,7 @@ def mark_int8_handoffs(layers: Iterable[torch.nn.Module]) -> int:
             linears = _submodules(layer, consumers)
             for module in _submodules(layer, (producer,)):
                 width = getattr(linears[0], "input_size_per_partition", linears[0].input_size) if linears else 0
-                marked += handoff.mark(module, any(map(runs_w8a8, linears)), width)
+                marked += handoff.mark(module, [runs_w8a8(linear) for linear in linears], width)
     return marked
 
 
