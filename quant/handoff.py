@@ -31,10 +31,11 @@ _untaken: Optional[torch.Tensor] = None  # an offered output left unwritten that
 def mark(producer: torch.nn.Module, readers_w8a8: Sequence[bool], row_width: int) -> bool:
     """Have `producer` write int8 rows of its output where one of its readers (whether each is a W8A8 projection)
     is a W8A8 projection whose input rows are `row_width` wide, and only those rows where all are."""
-    setattr(producer, MARK, any(readers_w8a8))
-    setattr(producer, ONLY, bool(readers_w8a8) and all(readers_w8a8))
+    feeds_w8a8 = any(readers_w8a8)
+    setattr(producer, MARK, feeds_w8a8)
+    setattr(producer, ONLY, feeds_w8a8 and all(readers_w8a8))
     setattr(producer, ROW_WIDTH, row_width)
-    return any(readers_w8a8)
+    return feeds_w8a8
 
 
 def wanted(producer: torch.nn.Module, x: torch.Tensor) -> bool:

@@ -32,12 +32,13 @@ def _no_offer_across_tests(monkeypatch):
 @pytest.fixture
 def unwritten_is_nan():
     """torch.empty fills float memory with NaN (ints with their maximum): an output left unwritten shows as NaN."""
-    deterministic = torch.are_deterministic_algorithms_enabled()
+    deterministic, warn_only = (torch.are_deterministic_algorithms_enabled(),
+                                torch.is_deterministic_algorithms_warn_only_enabled())
     fill = torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = True
     yield
-    torch.use_deterministic_algorithms(deterministic)
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
     torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
