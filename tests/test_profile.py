@@ -197,6 +197,9 @@ def test_kernels_are_grouped_by_the_graph_replay_that_launched_them():
     whole = [kernel("_w8a16_argmax_kernel", 0, 10, corr=1), kernel("_w8a8_gemm_kernel", 10, 100, corr=1),
              kernel("_gdn_verify_kernel", 110, 30, corr=1)]  # a window's cycle in one graph (server/hooks/cycle_graphs.py)
     assert launch_groups(events + whole, whole, own_times(whole)) == {"cycle graph": 140}
+    draft = [kernel("_w8a8_gemm_kernel", 0, 20, corr=1), kernel("_w4_scan_kernel", 20, 10, corr=1),
+             kernel("_w4_rescore_kernel", 30, 1, corr=1)]  # the drafter's forward and its 4-bit draft pick
+    assert launch_groups(events + draft, draft, own_times(draft)) == {"draft graph": 31}
 
 
 def test_a_graph_launched_inside_a_prefill_step_is_a_prefill_graph_and_no_cycle():

@@ -11,9 +11,9 @@ functions the host ran meanwhile); with `--cached N` too,
 the profiled prompt starts with the warm-up's first N tokens, so its prefill is a chat turn's: new tokens over a
 cached prefix (from the radix cache's last checkpoint at or below N, every 256 tokens on this hybrid model).
 The trace's GPU kernels are summed by family per step and by launch: each CUDA-graph replay is one group
-(named by what it holds: the draft graph picks tokens with an argmax, the verify graph runs the target's GEMMs
-and Gated-DeltaNet, a cycle graph, server/hooks/cycle_graphs.py, both; a prefill graph is one launched inside a
-prefill's forward step), kernels launched one by one are "eager".
+(named by what it holds: the draft graph picks tokens (an argmax, qflash's draft pick), the verify graph runs the
+target's GEMMs and Gated-DeltaNet, a cycle graph, server/hooks/cycle_graphs.py, both; a prefill graph is one launched
+inside a prefill's forward step), kernels launched one by one are "eager".
 The window's wall time minus the busy time is the GPU waiting on the host (scheduler, Python, syncs between
 kernels) and the gaps between kernels; the kernels per cycle count what each cycle launches on the GPU.
 """
@@ -105,12 +105,13 @@ def short_name(kernel_name: str, width: int = 150) -> str:
 
 def graph_replays(events: list[dict], kernels: list[dict]) -> tuple[dict[str, list[list[dict]]], list[dict]]:
     """Kernels by the CUDA-graph replay that launched them (they share its runtime call's correlation id), each
-    replay named by content (the draft graph picks tokens with an argmax, the verify graph runs the target's GEMMs
-    and Gated-DeltaNet, a cycle graph both; the glue's graphs, graphs/glue.py, one or the other), or a prefill graph
-    where it was launched inside a prefill's forward step (SGLang's `step[EXTEND ...]` span: a prefill's whole or
-    breakable graph holds the target's body too, and is no cycle), and the kernels launched one at a time."""
-    launches = {e["args"]["correlation"]: e["ts"] for e in events
-                if e.get("cat") == "cuda_runtime" and "GraphLaunch" in e.get("name", "") and "correlation" in e.get("args", {})}
+    replay named by content (the draft graph picks tokens, by an argmax or qflash's draft pick; the verify graph
+    runs the target's GEMMs and Gated-DeltaNet; a cycle graph both; the glue's graphs, graphs/glue.py, one or the
+    other), or a prefill graph where it was launched inside a prefill's forward step (SGLang's `step[EXTEND ...]`
+    span: a prefill's whole or breakable graph holds the target's body too, and is no cycle), and the kernels
+    launched one at a time."""
+    launches = {e["args"]["correlation"]: e["ts"] for e in events if e.get("cat") == "cuda_runtime"
+                and "GraphLaunch" in e.get("name", "") and "correlation" in e.get("args", {})}
     prefills = [(e["ts"], e["ts"] + e["dur"]) for e in events
                 if e.get("cat") == "user_annotation" and e.get("name", "").startswith("step[EXTEND")]
     replays: dict[int, list[dict]] = {}
@@ -122,7 +123,7 @@ def graph_replays(events: list[dict], kernels: list[dict]) -> tuple[dict[str, li
     for corr, group in replays.items():
         names = " ".join(e["name"] for e in group)
         target_body = re.search(dict(FAMILIES)["Gated-DeltaNet"], names, re.I) and re.search(GEMMS, names, re.I)
-        picks = re.search(r"argmax", names, re.I)
+        picks = re.search(dict(FAMILIES)["qflash draft pick"] + r"|argmax", names, re.I)
         label = ("prefill graph" if any(lo <= launches[corr] <= hi for lo, hi in prefills) else
                  "cycle graph" if target_body and picks else "verify graph" if target_body else
                  "draft graph" if picks else "other graph")
