@@ -90,6 +90,18 @@ def test_summary_per_step_with_idle_time_and_overlapping_streams():
     s = summarize({**trace, "deviceProperties": [{"id": 0, "name": "NVIDIA H100 80GB HBM3"}]}, steps=2)
     assert s["device"] == "NVIDIA H100 80GB HBM3"
     assert "at the H100's 3.0 TB/s." in render(s, "title", {"qflash W8A8 GEMM": 0.1})
+    assert s["profiler_stall_ms"] == 0 and "stalls" not in render(s, "title")
+
+
+def test_the_profilers_own_stalls_in_the_gpus_idle_time_are_named():
+    """CUPTI's buffer request stops the host a few ms when a trace begins: the part of it inside the GPU's idle time
+    (1000-1200 of the 800-1400 gap here; 1400-1500 is busy) is the profiler's, reported per step."""
+    trace = {"traceEvents": [kernel("_w8a8_gemm_kernel", 0, 800), kernel("_w8a8_gemm_kernel", 1400, 600),
+                             {"ph": "X", "cat": "overhead", "name": "Activity Buffer Request", "pid": -1, "tid": 0,
+                              "ts": 1000, "dur": 500}]}
+    s = summarize(trace, steps=2)
+    assert s["gpu_idle_ms"] == pytest.approx(0.3) and s["profiler_stall_ms"] == pytest.approx(0.2)
+    assert "GPU idle (host, gaps) 0.300 ms (the profiler's own stalls 0.200 ms of it); 2 cycles" in render(s, "title")
 
 
 def test_a_qflash_cycle_names_the_sglang_kernels_its_hooks_replace_that_were_launched():
@@ -440,12 +452,23 @@ def test_with_python_stacks_the_prefill_profile_names_what_the_host_ran_while_th
         span("<built-in method w8a16_gemm_into>", 1850, 1000, cat="python_function"),
         py("managers/tokenizer_manager.py(50): wait", 1800, 400, tid=2),  # another thread, idle over the same gap
     ]}
+    clean = summarize(trace, steps=1)["prefill"]["idle_blame"]  # before the profiler stalls the host
+    # the profiler stalls the host inside prepare_for_extend (1060-1100: 40 of its 80 us idle) and in a busy stretch
+    trace["traceEvents"] += [{"ph": "X", "cat": "overhead", "name": "Activity Buffer Request", "pid": -1, "tid": 0,
+                              "ts": ts, "dur": dur} for ts, dur in [(1060, 40), (1400, 100)]]
     pre = summarize(trace, steps=1)["prefill"]
     assert pre["gpu_idle_ms"] == pytest.approx(0.84)
     assert pre["idle_blame"] == [("sglang/srt/managers/scheduler.py(10): event_loop", pytest.approx(0.5)),
                                  ("<built-in method w8a16_gemm_into>", pytest.approx(0.15)),
-                                 ("sglang/srt/managers/schedule_batch.py(30): prepare_for_extend", pytest.approx(0.08)),
                                  ("sglang/srt/managers/scheduler.py(20): get_next_batch_to_run", pytest.approx(0.06)),
-                                 ("sglang/srt/speculative/dflash_worker_v2.py(40): forward_batch_generation", pytest.approx(0.05))]
+                                 ("sglang/srt/speculative/dflash_worker_v2.py(40): forward_batch_generation", pytest.approx(0.05)),
+                                 ("sglang/srt/managers/schedule_batch.py(30): prepare_for_extend", pytest.approx(0.04)),
+                                 ("(the profiler: CUPTI's activity buffer requests)", pytest.approx(0.04))]
+    assert clean == [("sglang/srt/managers/scheduler.py(10): event_loop", pytest.approx(0.5)),
+                     ("<built-in method w8a16_gemm_into>", pytest.approx(0.15)),
+                     ("sglang/srt/managers/schedule_batch.py(30): prepare_for_extend", pytest.approx(0.08)),
+                     ("sglang/srt/managers/scheduler.py(20): get_next_batch_to_run", pytest.approx(0.06)),
+                     ("sglang/srt/speculative/dflash_worker_v2.py(40): forward_batch_generation", pytest.approx(0.05))]
     table = render(summarize(trace, steps=1), "title", in_order=True)
-    assert "| `sglang/srt/managers/schedule_batch.py(30): prepare_for_extend` | 0.080 |" in table
+    assert "| `sglang/srt/managers/schedule_batch.py(30): prepare_for_extend` | 0.040 |" in table
+    assert "| `(the profiler: CUPTI's activity buffer requests)` | 0.040 |" in table

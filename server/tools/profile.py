@@ -81,6 +81,7 @@ HOST_SPANS = r"^scheduler\.|^step\[|^copy_result_to_cpu$|^cudaGraphLaunch$"
 TOP_KERNELS = 40  # kernels listed by name: what each family is made of, e.g. torch's elementwise kernels
 TOP_GEMM_LAUNCHES = 12  # W8A8 GEMM rows by grid and the kernel before: a cycle of one request holds ~10
 TOP_GAPS, STEP_GAP_US = 12, 50  # idle gaps listed by the kernels around them; a longer one is the host between steps
+PROFILER_STALL = "(the profiler: CUPTI's activity buffer requests)"  # idle_blame's line for profiler_stalls
 TIMELINE_ROWS = 120  # a prefill profile's first host spans and stretches of GPU work, listed in order
 SKIP_CHUNKS = 4  # streamed chunks (one per scheduler step) before profiling starts: prefill and first steps excluded
 # tokens of the profiled request: room for the skipped steps and the recorded ones, a window of cycles each
@@ -255,11 +256,22 @@ def _own_intervals(spans: list[dict]):
         yield e, own
 
 
+def profiler_stalls(events: list[dict]) -> list[tuple[float, float]]:
+    """The profiler's own stalls of the host (us, start and end): CUPTI's 'Activity Buffer Request', a few ms when a
+    trace's first GPU activities fill its buffers, stops whichever Python call launched them. Counted as the profiler's,
+    not as that call's or the server's."""
+    return sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "overhead" and "dur" in e)
+
+
+def _overlap(a: float, b: float, intervals: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(b, hi) - max(a, lo)) for lo, hi in intervals)
+
+
 def idle_blame(events: list[dict], idle: list[tuple[float, float]], spans: list[dict]) -> list[tuple[str, float]]:
     """With Python stacks in the trace (`--with-stack`): each Python function's own time (us) inside the GPU's `idle`
     intervals, the most first: what the host ran while the GPU waited for it. Only the threads of the scheduler's
-    `spans`: the server's other threads wait for work meanwhile."""
-    starts = [a for a, _ in idle]
+    `spans`: the server's other threads wait for work meanwhile. The profiler's stalls are a line of their own."""
+    starts, stalls = [a for a, _ in idle], profiler_stalls(events)
     scheduler = {(e.get("pid"), e.get("tid")) for e in spans}
     threads: dict[tuple, list[dict]] = {}
     for e in events:
@@ -270,10 +282,13 @@ def idle_blame(events: list[dict], idle: list[tuple[float, float]], spans: list[
         for e, own in _own_intervals(thread):
             for a, b in own:
                 for lo, hi in idle[max(bisect.bisect_right(starts, a) - 1, 0):bisect.bisect_left(starts, b)]:
-                    if min(b, hi) > max(a, lo):
+                    x, y = max(a, lo), min(b, hi)
+                    if y > x:
                         name = re.sub(r"^.*?(site-packages|dist-packages)/", "", e["name"])
-                        blame[name] = blame.get(name, 0.0) + min(b, hi) - max(a, lo)
-    return sorted(blame.items(), key=lambda kv: -kv[1])
+                        blame[name] = blame.get(name, 0.0) + y - x - _overlap(x, y, stalls)
+    if stalls and threads:
+        blame[PROFILER_STALL] = sum(_overlap(lo, hi, stalls) for lo, hi in idle)
+    return sorted(((name, us) for name, us in blame.items() if us > 0), key=lambda kv: -kv[1])
 
 
 def prefill_step(events: list[dict], spans: list[dict], kernels: list[dict], start: float,
@@ -358,9 +373,11 @@ def summarize(trace: dict, steps: int) -> dict:
     cycles = len(named.get("verify graph", ())) + len(named.get("cycle graph", ())) or steps  # a window: several a step
     order = sorted(per_family, key=per_family.get, reverse=True)
     gap_us, gap_pairs = gaps(kernels)
+    stalled_us = sum(_overlap(lo, hi, profiler_stalls(events)) for lo, hi in _idle(kernels, start, start + window_us))
     device = (trace.get("deviceProperties") or [{}])[0].get("name", "")  # torch's profiler names the GPU
     return {
         "device": device, "steps": steps, "window_ms": window_us * ms, "gpu_busy_ms": busy_us * ms, "gpu_idle_ms": (window_us - busy_us) * ms,
+        "profiler_stall_ms": stalled_us * ms,  # of the idle time: the profiler's own stalls of the host
         "cycles": cycles, "gpu_cycle_ms": busy_us * 1e-3 / cycles, "kernels_per_cycle": len(kernels) / cycles,
         "families": {f: per_family[f] * ms for f in order},
         "family_kernels_per_cycle": {f: counts[f] / cycles for f in order},
@@ -391,7 +408,9 @@ def render(summary: dict, title: str, family_floors: dict[str, float] | None = N
     per_cycle = summary["steps"] / summary["cycles"]  # a family's ms per step -> per cycle
     card, tbps = floors.card_rate(summary["device"])
     lines = [title, "", f"Per step (mean of {summary['steps']}): window {window:.3f} ms, GPU busy "
-             f"{summary['gpu_busy_ms']:.3f} ms, GPU idle (host, gaps) {summary['gpu_idle_ms']:.3f} ms; "
+             f"{summary['gpu_busy_ms']:.3f} ms, GPU idle (host, gaps) {summary['gpu_idle_ms']:.3f} ms"
+             + (f" (the profiler's own stalls {summary['profiler_stall_ms']:.3f} ms of it)"
+                if summary["profiler_stall_ms"] else "") + "; "
              f"{summary['cycles']} cycles, GPU busy {summary['gpu_cycle_ms']:.3f} ms and "
              f"{summary['kernels_per_cycle']:.0f} kernels per cycle."
              + (f" Byte floor {sum(family_floors.values()):.3f} ms per cycle "
@@ -438,8 +457,8 @@ def render(summary: dict, title: str, family_floors: dict[str, float] | None = N
         lines += ["", "| kernel | launched by (torch op) | launches | ms |", "| --- | --- | ---: | ---: |"]
         lines += [f"| `{n}` | {op and f'`{op}`'} | {launches} | {ms:.4f} |" for n, op, launches, ms in pre["top_kernels"]]
         lines += ["", f"From the arrival to the first cycle's GPU work, {pre['arrival_to_first_cycle_ms']:.3f} ms, the GPU "
-                  f"idled {pre['gpu_idle_ms']:.3f} ms" + (", while the host ran (Python functions' own time, the "
-                  "profiler's overhead in it):" if pre["idle_blame"] else " (`--with-stack` names what the host ran).")]
+                  f"idled {pre['gpu_idle_ms']:.3f} ms" + (", while the host ran (Python functions' own time, "
+                  "inflated by the profiler):" if pre["idle_blame"] else " (`--with-stack` names what the host ran).")]
         if pre["idle_blame"]:
             lines += ["", "| Python function | ms |", "| --- | ---: |"]
             lines += [f"| `{name}` | {ms:.3f} |" for name, ms in pre["idle_blame"]]
