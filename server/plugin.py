@@ -9,14 +9,14 @@ from qflash.server import hooks
 from qflash.server.hooks import (attention, compile_watch, cycle_graphs, cycle_meter, dflash_prefill, dflash_taps,
                                  draft_pick, embedding, fresh_prefill, gdn_input_proj, gdn_prefill, gdn_verify,
                                  glue_graphs, graph_inputs, graph_monitor, logits_buffer, logprobs, multi_cycle,
-                                 quant_handoff, quantization, radix_cache, requests, text_only_model)
+                                 quant_handoff, quantization, radix_cache, requests, text_only_model, text_positions)
 
 MODEL_PACKAGE = "qflash.server.models"
 TEXT_ONLY = text_only_model.CHANGES
 QFLASH = [*TEXT_ONLY, *quantization.CHANGES, *quant_handoff.CHANGES, *dflash_taps.CHANGES, *gdn_input_proj.CHANGES,
           *requests.CHANGES, *draft_pick.CHANGES, *logits_buffer.CHANGES, *embedding.CHANGES, *graph_inputs.CHANGES,
-          *graph_monitor.CHANGES, *compile_watch.CHANGES, *attention.CHANGES, *radix_cache.CHANGES, *gdn_verify.CHANGES,
-          *gdn_prefill.CHANGES, *fresh_prefill.CHANGES, *dflash_prefill.CHANGES, *logprobs.CHANGES, *multi_cycle.CHANGES,
+          *text_positions.CHANGES, *graph_monitor.CHANGES, *compile_watch.CHANGES, *attention.CHANGES,
+          *radix_cache.CHANGES, *gdn_verify.CHANGES, *gdn_prefill.CHANGES, *fresh_prefill.CHANGES, *dflash_prefill.CHANGES, *logprobs.CHANGES, *multi_cycle.CHANGES,
           *cycle_graphs.CHANGES, *glue_graphs.CHANGES]  # last: its graphs hold the other hooks' work on the same steps
 
 

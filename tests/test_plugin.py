@@ -162,8 +162,8 @@ def test_a_server_process_refuses_to_start_without_qflash_in_place(fault):
     assert len(refusal) == 1 and message in refusal[0], result.stderr[-2000:]
 
 
-@pytest.mark.parametrize("plugins, meter, count", [("qflash", "", 56), ("qflash_text_only", "", 1), ("", "", 56),
-                                                  ("qflash", "1", 60), ("qflash_text_only", "1", 8)])
+@pytest.mark.parametrize("plugins, meter, count", [("qflash", "", 57), ("qflash_text_only", "", 1), ("", "", 57),
+                                                  ("qflash", "1", 61), ("qflash_text_only", "1", 8)])
 def test_each_process_says_how_many_hooks_it_applied(plugins, meter, count):
     """`qflash serve` waits for this line; with SGLANG_PLUGINS unset SGLang loads both plugins, once each change;
     `qflash bench` adds the cycle meter to both."""
