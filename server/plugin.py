@@ -16,8 +16,9 @@ TEXT_ONLY = text_only_model.CHANGES
 QFLASH = [*TEXT_ONLY, *quantization.CHANGES, *quant_handoff.CHANGES, *dflash_taps.CHANGES, *gdn_input_proj.CHANGES,
           *requests.CHANGES, *draft_pick.CHANGES, *logits_buffer.CHANGES, *embedding.CHANGES, *graph_inputs.CHANGES,
           *text_positions.CHANGES, *graph_monitor.CHANGES, *compile_watch.CHANGES, *attention.CHANGES,
-          *radix_cache.CHANGES, *gdn_verify.CHANGES, *gdn_prefill.CHANGES, *fresh_prefill.CHANGES, *dflash_prefill.CHANGES, *logprobs.CHANGES, *multi_cycle.CHANGES,
-          *cycle_graphs.CHANGES, *glue_graphs.CHANGES]  # last: its graphs hold the other hooks' work on the same steps
+          *radix_cache.CHANGES, *gdn_verify.CHANGES, *gdn_prefill.CHANGES, *fresh_prefill.CHANGES,
+          *dflash_prefill.CHANGES, *logprobs.CHANGES, *multi_cycle.CHANGES, *cycle_graphs.CHANGES,
+          *glue_graphs.CHANGES]  # last: its graphs hold the other hooks' work on the same steps
 
 
 def metered(changes: list) -> list:

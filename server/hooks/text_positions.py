@@ -2,8 +2,8 @@
 
 Qwen3.5's rotary is mrope: SGLang 0.5.17 builds an extend batch's positions [3, tokens] in
 `ForwardBatch._compute_mrope_positions`, for a text-only request as `torch.tensor` of a nested list of each
-position three times. For a fresh 8,192-token prompt that is 24,576 Python ints, ~3 ms of host time before the prefill
-graph launches, while the GPU waits: part of every prompt's time to first token. The same positions come from
+position three times. For a fresh 8,192-token prompt that is 24,576 Python ints, milliseconds of host time before the
+prefill graph launches, while the GPU waits: part of a long prompt's time to first token. The same positions come from
 `torch.arange` (int64, on the CPU, then to the device as SGLang moves them). Batches with multimodal inputs stay
 SGLang's.
 Retire when SGLang builds text-only mrope positions with arange (or on the device).
