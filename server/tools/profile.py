@@ -373,7 +373,8 @@ def summarize(trace: dict, steps: int) -> dict:
     cycles = len(named.get("verify graph", ())) + len(named.get("cycle graph", ())) or steps  # a window: several a step
     order = sorted(per_family, key=per_family.get, reverse=True)
     gap_us, gap_pairs = gaps(kernels)
-    stalled_us = sum(_overlap(lo, hi, profiler_stalls(events)) for lo, hi in _idle(kernels, start, start + window_us))
+    stalls = profiler_stalls(events)
+    stalled_us = sum(_overlap(lo, hi, stalls) for lo, hi in _idle(kernels, start, start + window_us))
     device = (trace.get("deviceProperties") or [{}])[0].get("name", "")  # torch's profiler names the GPU
     return {
         "device": device, "steps": steps, "window_ms": window_us * ms, "gpu_busy_ms": busy_us * ms, "gpu_idle_ms": (window_us - busy_us) * ms,
