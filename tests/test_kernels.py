@@ -296,12 +296,13 @@ def test_the_tuner_times_decode_gemms_in_a_chain_over_weights_that_outgrow_l2(mo
     assert [(how, len(weights)) for how, weights in timed] == [("chain", timing.chain_calls(2560 * 9216)), ("cold", 1)]
 
 
-def test_the_tuner_then_picks_the_early_tiles_of_a_decode_config(monkeypatch):
+def test_the_tuner_then_picks_the_early_tiles_of_a_decode_config(monkeypatch, capsys):
     """Decode rows: the best tile config, then its count of weight tiles before the PDL wait (the fastest of
-    tune.EARLY_TILES); a config that quantizes x itself keeps the launcher's default, and prefill has none."""
+    tune.EARLY_TILES); a config that quantizes x itself keeps the launcher's default, and prefill has none. Each line
+    also gives the time of the table entry it replaces."""
     from qflash.server.tools import tune
 
-    monkeypatch.setattr(tune, "w8a8_timer", lambda m, n, k, gemm: None)
+    monkeypatch.setattr(tune, "w8a8_timer", lambda m, n, k, gemm: lambda config: 3.0)
     monkeypatch.setattr(tune, "gdn_input_verify", lambda m: None)
     monkeypatch.setattr(tune.pdl, "multiprocessors", lambda device: 132)
     rounds = []
@@ -316,6 +317,8 @@ def test_the_tuner_then_picks_the_early_tiles_of_a_decode_config(monkeypatch):
     assert {c.get("EARLY_TILES") for (_, m, _, _), c in table.items()} >= {2, None}
     assert all((c.get("EARLY_TILES") == 2) == (m == 16) for (_, m, _, _), c in table.items())
     assert [c["EARLY_TILES"] for c in rounds[1]] == list(tune.EARLY_TILES)
+    lines = capsys.readouterr().out.splitlines()
+    assert all("(table's 3.0 us)" in line for line in lines if "M=   16" in line)  # every 16-row shape has one
 
 
 def test_the_tuner_times_decode_grids_of_whole_waves():

@@ -146,7 +146,9 @@ def tune_w8a8(rows: tuple) -> dict:
             # a small kernel, as most of a cycle's GEMMs follow a norm or an activation.
             cfg, us = best_config(time_us, [dict(cfg, EARLY_TILES=e) for e in EARLY_TILES])
         table[(phase, m, n, k)] = cfg
-        print(f"w8a8 {phase:7} M={m:5} {name:20} {us:9.1f} us  {n * k / us / 1e3:7.0f} GB/s  {cfg}", flush=True)
+        served = w8a8_gemm.CONFIGS.get((phase, m, n, k))  # the entry it replaces, timed again on this machine
+        was = f"  (table's {time_us(served):.1f} us)" if served else ""
+        print(f"w8a8 {phase:7} M={m:5} {name:20} {us:9.1f} us{was}  {n * k / us / 1e3:7.0f} GB/s  {cfg}", flush=True)
     return table
 
 
