@@ -12,7 +12,8 @@
 #                          then from the checkout, on one machine (a diagnostic: no stock row). Make it with
 #                          `git archive REF | tar -x -C .ab` (git-ignored) and carry it too. AB_FIRST=checkout runs
 #                          the checkout first: the second server started on a lent machine has run slower
-#                          (BENCHMARKS.md, 2026-12-04), so alternate
+#                          (BENCHMARKS.md, 2026-12-04), so alternate. AB_CHECKOUT=0 runs only the trees: with
+#                          BENCH=sglang-bf16,qflash after it, the checkout's row comes from that bench, on one machine
 #   BENCH=sys1,sys2,...    qflash bench --systems ... $BENCH_ARGS (e.g. BENCH_ARGS="--profile-steps 0")
 #   PROFILE="args"         qflash profile --out ... args (e.g. PROFILE="--prefill --prompt-len 64,2048 --steps 3": the steps
 #                          of a fresh prompt's first token, host spans beside the GPU's); its traces come back too, each
@@ -96,6 +97,7 @@ if [ -n "${AB_TREE:-}" ]; then
   read -ra refs <<< "${AB_TREE//,/ }"
   order=("${refs[@]}" .)
   [ "${AB_FIRST:-ref}" = checkout ] && order=(. "${refs[@]}")
+  [ "${AB_CHECKOUT:-1}" = 0 ] && order=("${refs[@]}")
   for tree in "${order[@]}"; do
     side=$([ "$tree" = . ] && echo checkout || echo "ref-${tree#.}")
     python3 -m pip install -q --no-deps --no-build-isolation -e "$tree" || exit 1
@@ -108,6 +110,7 @@ if [ -n "${AB_TREE:-}" ]; then
     tar czf "$OUT/ab-$side-logs.tgz" -C "$RUN/ab-$side" logs 2>/dev/null  # the servers' start-up (graph captures)
     pack  # each tree's results survive a call that the device's time limit stops during the next
   done
+  python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1  # the steps below run the checkout
 fi
 
 if [ -n "${BENCH:-}" ]; then
