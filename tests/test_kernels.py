@@ -381,7 +381,10 @@ def test_tuning_some_row_buckets_keeps_the_tables_other_entries(monkeypatch):
     monkeypatch.setattr(tune.torch.cuda, "get_device_name", lambda: "NVIDIA H200")
     monkeypatch.setattr(tune.torch.cuda, "get_device_capability", lambda: (9, 0))
     monkeypatch.setattr(tune.pdl, "multiprocessors", lambda device: 132)
-    monkeypatch.setattr(tune, "w8a8_timer", lambda m, n, k, gemm: (m, n, k, gemm))
+    class Timer(tuple):  # (M, N, K, gemm), and a time for the table entry a line reports beside the new one
+        def __call__(self, config):
+            return 2.0
+    monkeypatch.setattr(tune, "w8a8_timer", lambda m, n, k, gemm: Timer((m, n, k, gemm)))
     monkeypatch.setattr(tune, "gdn_input_verify", lambda m: f"the GDN input GEMM of {m} rows, its conv in a verify")
     monkeypatch.setattr(tune, "int8_weight", lambda n, k: (None, None))
     monkeypatch.setattr(tune.w4_draft_pick, "quantize", lambda w: (torch.empty(0), torch.empty(0)))
