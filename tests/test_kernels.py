@@ -321,19 +321,28 @@ def test_the_tuner_then_picks_the_early_tiles_of_a_decode_config(monkeypatch, ca
     assert all("(table's 3.0 us)" in line for line in lines if "M=   16" in line)  # every 16-row shape has one
 
 
-@pytest.mark.parametrize("served_us, kept", [(1.01, True), (1.03, False)])
+@pytest.mark.parametrize("served_us, kept", [(1.01, True), (1.03, False), (None, False)])
 def test_the_tuner_keeps_a_table_entry_within_its_noise_of_the_best(monkeypatch, capsys, served_us, kept):
-    """A table entry within tune.KEEP_WITHIN (2%) of the fastest candidate stays; a slower one is replaced."""
+    """A table entry within tune.KEEP_WITHIN (2%) of the fastest candidate stays; a slower one, or one that does not
+    run on this chip (None: it raises), is replaced."""
     from qflash.server.tools import tune
 
     served = set(map(id, w8a8_gemm.CONFIGS.values()))
-    monkeypatch.setattr(tune, "w8a8_timer", lambda m, n, k, gemm: lambda c: served_us if id(c) in served else 1.0)
+
+    def timer(config):
+        if id(config) not in served:
+            return 1.0
+        if served_us is None:
+            raise RuntimeError("out of shared memory")
+        return served_us
+    monkeypatch.setattr(tune, "w8a8_timer", lambda m, n, k, gemm: timer)
     monkeypatch.setattr(tune, "gdn_input_verify", lambda m: None)
     monkeypatch.setattr(tune.pdl, "multiprocessors", lambda device: 132)
     monkeypatch.setattr(tune, "best_config", lambda time_us, candidates: ({"BLOCK_M": 16, "QUANT_X": True}, 1.0))
     table = tune.tune_w8a8((16,))
     assert table and all((c is w8a8_gemm.CONFIGS[key]) == kept for key, c in table.items())
-    assert all((", kept)" in line) == kept for line in capsys.readouterr().out.splitlines())
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and all((", kept)" in line) == kept and ("(table's" in line) == (served_us is not None) for line in lines)
 
 
 def test_the_tuner_times_decode_grids_of_whole_waves():
