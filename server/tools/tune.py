@@ -74,14 +74,18 @@ def w4_candidates(m: int) -> list[dict]:
             for bn in (128, 256) for w, s in ((4, 3), (4, 4), (8, 3), (8, 4))]
 
 
+def time_if_runs(time_us, cfg: dict) -> float | None:
+    """`time_us(cfg)`, or None for a config that does not fit the chip (skipped, and said so)."""
+    try:
+        return time_us(cfg)
+    except Exception as exc:  # out of shared memory or registers: triton raises at compile or launch
+        print(f"  skip {cfg}: {type(exc).__name__}")
+        return None
+
+
 def best_config(time_us, candidates: list[dict]) -> tuple[dict, float]:
     """The fastest candidate that runs (`time_us(config)`); a config that does not fit the chip is skipped."""
-    timed = []
-    for cfg in candidates:
-        try:
-            timed.append((time_us(cfg), cfg))
-        except Exception as exc:  # out of shared memory or registers: triton raises at compile or launch
-            print(f"  skip {cfg}: {type(exc).__name__}")
+    timed = [(us, cfg) for cfg in candidates if (us := time_if_runs(time_us, cfg)) is not None]
     if not timed:
         raise RuntimeError(f"no candidate config runs: {candidates}")
     us, cfg = min(timed, key=lambda t: t[0])
@@ -149,10 +153,7 @@ def tune_w8a8(rows: tuple) -> dict:
             # a small kernel, as most of a cycle's GEMMs follow a norm or an activation.
             cfg, us = best_config(time_us, [dict(cfg, EARLY_TILES=e) for e in EARLY_TILES])
         served = w8a8_gemm.CONFIGS.get((phase, m, n, k))  # the entry it would replace, timed again on this machine
-        try:
-            served_us = time_us(served) if served else None
-        except Exception:  # it does not fit this chip (best_config's skip): replaced
-            served_us = None
+        served_us = time_if_runs(time_us, served) if served else None  # None: it does not fit this chip, replaced
         if served_us is not None and served_us <= us * (1 + KEEP_WITHIN):
             cfg = served
         table[(phase, m, n, k)] = cfg
