@@ -267,6 +267,11 @@ def _overlap(a: float, b: float, intervals: list[tuple[float, float]]) -> float:
     return sum(max(0.0, min(b, hi) - max(a, lo)) for lo, hi in intervals)
 
 
+def _stalled_us(idle: list[tuple[float, float]], stalls: list[tuple[float, float]]) -> float:
+    """The profiler's stalls inside the GPU's idle intervals (us)."""
+    return sum(_overlap(lo, hi, stalls) for lo, hi in idle)
+
+
 def idle_blame(events: list[dict], idle: list[tuple[float, float]], spans: list[dict]) -> list[tuple[str, float]]:
     """With Python stacks in the trace (`--with-stack`): each Python function's own time (us) inside the GPU's `idle`
     intervals, the most first: what the host ran while the GPU waited for it. Only the threads of the scheduler's
@@ -287,7 +292,7 @@ def idle_blame(events: list[dict], idle: list[tuple[float, float]], spans: list[
                         name = re.sub(r"^.*?(site-packages|dist-packages)/", "", e["name"])
                         blame[name] = blame.get(name, 0.0) + y - x - _overlap(x, y, stalls)
     if stalls and threads:
-        blame[PROFILER_STALL] = sum(_overlap(lo, hi, stalls) for lo, hi in idle)
+        blame[PROFILER_STALL] = _stalled_us(idle, stalls)
     return sorted(((name, us) for name, us in blame.items() if us > 0), key=lambda kv: -kv[1])
 
 
@@ -373,8 +378,7 @@ def summarize(trace: dict, steps: int) -> dict:
     cycles = len(named.get("verify graph", ())) + len(named.get("cycle graph", ())) or steps  # a window: several a step
     order = sorted(per_family, key=per_family.get, reverse=True)
     gap_us, gap_pairs = gaps(kernels)
-    stalls = profiler_stalls(events)
-    stalled_us = sum(_overlap(lo, hi, stalls) for lo, hi in _idle(kernels, start, start + window_us))
+    stalled_us = _stalled_us(_idle(kernels, start, start + window_us), profiler_stalls(events))
     device = (trace.get("deviceProperties") or [{}])[0].get("name", "")  # torch's profiler names the GPU
     return {
         "device": device, "steps": steps, "window_ms": window_us * ms, "gpu_busy_ms": busy_us * ms, "gpu_idle_ms": (window_us - busy_us) * ms,
