@@ -290,7 +290,7 @@ def _(x, w, w_scale, cuts, phase, x_q=None, x_scale=None):
 
 DEFAULT_DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=True, SPLIT_K=1, num_warps=4, num_stages=4)
 DEFAULT_PREFILL = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, num_warps=8, num_stages=3)
-# Tuned on NVIDIA H200 (sm90) by `qflash tune`, the TMA rows and the decode rows' early tiles on an H100 (BENCHMARKS.md, 2026-12-06): (phase, M bucket, N, K) -> launch config.
+# Tuned on NVIDIA H200 (sm90) by `qflash tune`; the TMA rows, the decode rows' early tiles and the 16-row buckets on an H100 (BENCHMARKS.md): (phase, M bucket, N, K) -> launch config.
 CONFIGS = {
     ('prefill', 64, 2560, 4096): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
     ('prefill', 64, 2560, 9216): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4),
@@ -310,9 +310,9 @@ CONFIGS = {
     ('prefill', 8192, 18432, 2560): dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, QUANT_X=False, SPLIT_K=1, TMA=True, num_warps=8, num_stages=4),
     ('verify', 16, 2560, 4096): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, EARLY_TILES=0, num_warps=4, num_stages=4),
     ('verify', 16, 2560, 9216): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, EARLY_TILES=2, num_warps=4, num_stages=4),
-    ('verify', 16, 10240, 2560): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, EARLY_TILES=1, num_warps=4, num_stages=4),
-    ('verify', 16, 12352, 2560): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, EARLY_TILES=1, num_warps=4, num_stages=4),
-    ('verify', 16, 18432, 2560): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, EARLY_TILES=1, num_warps=4, num_stages=3),
+    ('verify', 16, 10240, 2560): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3, EARLY_TILES=0),
+    ('verify', 16, 12352, 2560): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4, EARLY_TILES=1),
+    ('verify', 16, 18432, 2560): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=3, EARLY_TILES=1),
     ('verify', 32, 2560, 4096): dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, EARLY_TILES=0, num_warps=4, num_stages=4),
     ('verify', 32, 2560, 9216): dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, EARLY_TILES=0, num_warps=4, num_stages=4),
     ('verify', 32, 10240, 2560): dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, EARLY_TILES=0, num_warps=4, num_stages=3),
@@ -329,8 +329,8 @@ CONFIGS = {
     ('verify', 128, 12352, 2560): dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, EARLY_TILES=0, num_warps=4, num_stages=3),
     ('verify', 128, 18432, 2560): dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, EARLY_TILES=0, num_warps=4, num_stages=3),
     ('draft', 16, 2560, 4096): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, EARLY_TILES=0, num_warps=4, num_stages=4),
-    ('draft', 16, 2560, 9216): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=2, EARLY_TILES=2, num_warps=4, num_stages=4),
-    ('draft', 16, 6144, 2560): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, EARLY_TILES=1, num_warps=4, num_stages=3),
+    ('draft', 16, 2560, 9216): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4, EARLY_TILES=0),
+    ('draft', 16, 6144, 2560): dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4, num_stages=4, EARLY_TILES=0),
     ('draft', 16, 18432, 2560): dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, EARLY_TILES=2, num_warps=4, num_stages=3),
     ('draft', 32, 2560, 4096): dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, EARLY_TILES=0, num_warps=4, num_stages=4),
     ('draft', 32, 2560, 9216): dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, QUANT_X=False, SPLIT_K=1, EARLY_TILES=0, num_warps=4, num_stages=4),
