@@ -418,8 +418,10 @@ def test_tuning_some_row_buckets_keeps_the_tables_other_entries(monkeypatch):
             jobs.append(timer)
         return {"new": True}, 1.0
     monkeypatch.setattr(tune, "best_config", best_config)
-    monkeypatch.setattr(tune, "write", lambda path, table, machine: written.update({Path(path).stem: table}))
+    monkeypatch.setattr(tune, "write", lambda path, table, machine: written.update({Path(path).stem: table,
+                                                                                    "machine": machine}))
     assert tune.run(argparse.Namespace(rows=[16]), []) == 0
+    assert written["machine"] == "NVIDIA H200 (sm90), the 16-row buckets only (the others: BENCHMARKS.md)"
     assert {timer[0] for timer in jobs if isinstance(timer, tuple)} == {16}  # (M, N, K) of the W8A8 shapes timed
     in_proj = next(n for name, n, _ in shapes.TARGET if name == "gdn.in_proj_qkvzba")
     # the GDN input GEMM's verify timed as served, with the conv; every other GEMM alone

@@ -211,6 +211,8 @@ def run(args, extra) -> int:
     machine = f"{torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))})"
     start = time.monotonic()
     rows = tuple(args.rows)
+    if set(rows) != set(DECODE_M + PREFILL_M):  # the header must not claim the entries this run kept
+        machine += f", the {'/'.join(map(str, rows))}-row buckets only (the others: BENCHMARKS.md)"
     n, k = LM_HEAD[1:]
     head = int8_weight(n, k)
     for module, tune in (
