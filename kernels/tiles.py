@@ -19,13 +19,8 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 
 @triton.jit
-def tile_offsets(pid_m, pid_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 COLS: tl.constexpr):
-    """Row, column and K offsets of a tile, and which rows and columns exist. The program owns the tile's first
-    COLS <= BLOCK_N columns, from pid_n * COLS on (so any count of programs, N / COLS, can cover N); the lanes past
-    them get column N, which no mask lets through."""
+def tile_offsets(pid_m, pid_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Row, column and K offsets of a tile, and which rows and columns exist."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * COLS + tl.arange(0, BLOCK_N)
-    if COLS < BLOCK_N:
-        offs_n = tl.where(tl.arange(0, BLOCK_N) < COLS, offs_n, N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     return offs_m, offs_n, tl.arange(0, BLOCK_K), offs_m < M, offs_n < N

@@ -21,8 +21,7 @@ def _w8a16_argmax_kernel(x_ptr, w_ptr, w_scale_ptr, max_ptr, idx_ptr, M, N, K, s
                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)
     pid_n = tl.program_id(0)
-    offs_m, offs_n, offs_k, mask_m, mask_n = tile_offsets(tl.program_id(1), pid_n, M, N, BLOCK_M, BLOCK_N, BLOCK_K,
-                                                          BLOCK_N)
+    offs_m, offs_n, offs_k, mask_m, mask_n = tile_offsets(tl.program_id(1), pid_n, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     logits = scaled_tile(x_ptr, w_ptr, w_scale_ptr, offs_m, offs_n, offs_k, mask_m, mask_n, K, stride_xm, stride_wn,
                          DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K)
     logits = tl.where(mask_n[None, :], logits, float("-inf"))

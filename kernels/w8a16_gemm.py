@@ -37,7 +37,7 @@ def _w8a16_gemm_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, M, N, K, stride_xm, str
                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
     pdl.enter(PDL)
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m, offs_n, offs_k, mask_m, mask_n = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_N)
+    offs_m, offs_n, offs_k, mask_m, mask_n = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     y = scaled_tile(x_ptr, w_ptr, w_scale_ptr, offs_m, offs_n, offs_k, mask_m, mask_n, K, stride_xm, stride_wn,
                     DOT_DTYPE, BLOCK_M, BLOCK_N, BLOCK_K)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]

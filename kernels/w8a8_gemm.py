@@ -10,9 +10,6 @@ next call, and writes the output. Integer addition is associative, so every conf
 With output cuts (`w8a8_gemm_segments`) y's columns are written as consecutive [M, width] blocks, one per
 segment between cuts: a projection whose output SGLang splits into contiguous tensors (Gated-DeltaNet's q|k|v, z,
 b, a) then needs no split kernel.
-A program may own COLS < BLOCK_N of its tile's columns (its other lanes masked): a grid of N / COLS programs then fills
-the SMs in whole waves where power-of-two tiles leave a wave part empty (12,352 columns: 193 programs of 64 for 132
-SMs, or 129 of 96). The tuner times both.
 A prefill of thousands of rows is bound by the int8 tensor cores, and the loads through registers cannot feed a
 tile wider than 128 x 128 fast enough for them: with TMA (a config's TMA) the hardware copies x's int8 rows and w's
 columns into shared memory, and a 128 x 256 tile runs faster (BENCHMARKS.md, 2026-12-06). The same int32 sums and
@@ -81,13 +78,13 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, w
                       cw_ptr, cb_ptr, cs_ptr, slots_ptr, win_ptr, win_slots_ptr, stride_cwc, stride_cwj, stride_sb,
                       stride_sc, stride_sj, stride_gb, stride_gt, stride_gc, stride_gj,
                       QUANT_X: tl.constexpr, HAS_BIAS: tl.constexpr, SEGMENTED: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, COLS: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      SPLIT_K: tl.constexpr, EARLY_K: tl.constexpr, CONV_T: tl.constexpr, CONV_WIDTH: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr,
+                      EARLY_K: tl.constexpr, CONV_T: tl.constexpr, CONV_WIDTH: tl.constexpr,
                       CONV_BIAS: tl.constexpr, PDL: tl.constexpr):
     split = tl.program_id(0) % SPLIT_K
     pid = tl.program_id(0) // SPLIT_K
-    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, COLS, GROUP_M)
-    offs_m, offs_n, offs_k, mask_m, mask_n = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, BLOCK_K, COLS)
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m, offs_n, offs_k, mask_m, mask_n = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     w_cols = w_ptr + offs_n[None, :] * stride_wn
     k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
@@ -141,7 +138,7 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, w
 
     _store_tile(acc, x_scale, w_scale, bias, offs_m, offs_n, mask_y, y_ptr, M, N, cut1, cut2, cut3, HAS_BIAS, SEGMENTED)
     if CONV_T:
-        if pid_n * COLS < cut1:  # a tile holding columns of the first segment, the conv's input (it masks the rest)
+        if pid_n * BLOCK_N < cut1:  # a tile of the first segment (BLOCK_N divides cut1): the conv's input
             conv_update.conv_in_place(y_ptr, offs_m, offs_n, M, cut1, conv_slot, conv_win_slot, cw_ptr, cb_ptr, cs_ptr,
                                       win_ptr, stride_cwc, stride_cwj, stride_sb, stride_sc, stride_sj, stride_gb,
                                       stride_gt, stride_gc, stride_gj, CONV_T, CONV_WIDTH, CONV_BIAS)
@@ -153,7 +150,7 @@ def _w8a8_tma_kernel(x_desc, w_desc, x_scale_ptr, w_scale_ptr, bias_ptr, y_ptr, 
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr):
     # One output tile from TMA copies of x's int8 rows and w's rows (zero-filled past M, N and K), int32 sums.
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m, offs_n, _, mask_m, mask_n = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_N)
+    offs_m, offs_n, _, mask_m, mask_n = tile_offsets(pid_m, pid_n, M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     w_scale, bias = _column_weights(w_scale_ptr, bias_ptr, offs_n, mask_n, HAS_BIAS)
     pdl.enter(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
@@ -191,10 +188,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
     M, K = x.shape
     N = w.shape[0]
     cfg = {"SPLIT_K": 1, **config}
-    cols = cfg.pop("COLS", cfg["BLOCK_N"])
     tma = cfg.pop("TMA", False)
-    if not 0 < cols <= cfg["BLOCK_N"] or (tma and cols != cfg["BLOCK_N"]):
-        raise ValueError(f"a program's columns are 1 to BLOCK_N of its tile (all of it with TMA's boxes): {config}")
     quant_x = cfg.pop("QUANT_X") and x_q is None
     if y is None:
         y = torch.empty((M * N,) if cuts else (M, N), dtype=x.dtype, device=x.device)
@@ -206,7 +200,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
         x_scale = w_scale
     else:
         x, x_scale = per_token_quant(x)
-    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cols)
+    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
     cut_args = (*cuts, *(N,) * (3 - len(cuts)))  # the cuts not given sit at N: no segment after the last given
     if tma:
         if quant_x or cfg.pop("SPLIT_K") > 1 or conv is not None:
@@ -232,17 +226,16 @@ def launch(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Option
     _w8a8_gemm_kernel[(programs,)](
         x, w, x_scale, w_scale, w_scale if bias is None else bias, y, ws, counts, M, N, K, x.stride(0), w.stride(0),
         *cut_args, *conv_args, QUANT_X=quant_x, HAS_BIAS=bias is not None, SEGMENTED=bool(cuts),
-        COLS=cols, EARLY_K=early * cfg["BLOCK_K"], enable_fp_fusion=False, **conv_constants, **pdl.options(x.device),
-        **cfg)
+        EARLY_K=early * cfg["BLOCK_K"], enable_fp_fusion=False, **conv_constants, **pdl.options(x.device), **cfg)
     return y
 
 
 def conv_fits(config: dict, m: int, cuts: tuple, block: int) -> bool:
     """Whether a GEMM of m rows in `config` can run a conv update over blocks of `block` rows in its epilogue: each
-    tile holds whole blocks of rows (a tile's columns past the first segment are masked out of the conv), no split-K
-    program holds a partial sum, and the loads go through registers (the TMA kernel has no conv epilogue)."""
+    tile holds whole blocks of whole rows of the first segment, no split-K program holds a partial sum, and the loads
+    go through registers (the TMA kernel has no conv epilogue)."""
     return (bool(cuts) and config.get("SPLIT_K", 1) == 1 and not config.get("TMA") and m % block == 0
-            and config["BLOCK_M"] % block == 0)
+            and config["BLOCK_M"] % block == 0 and cuts[0] % config["BLOCK_N"] == 0)
 
 
 def segments(y: torch.Tensor, rows: int, cuts: list[int], n: int) -> list[torch.Tensor]:

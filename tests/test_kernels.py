@@ -34,13 +34,8 @@ W8A8_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, GROUP_M=1, QUANT_X=q, S
 # two (past a split's K range at split-K 3) and four (past all of K = 100 at 32 a tile)
 W8A8_CONFIGS += [dict(W8A8_CONFIGS[0], EARLY_TILES=1), dict(W8A8_CONFIGS[3], EARLY_TILES=2),
                  dict(W8A8_CONFIGS[2], EARLY_TILES=4)]
-# programs that own fewer columns than their tile (COLS): tiles past N, across the output cuts, under split-K and
-# row groups, with x quantized in the kernel
-W8A8_CONFIGS += [dict(W8A8_CONFIGS[1], BLOCK_N=32, COLS=24),
-                 dict(W8A8_CONFIGS[3], COLS=12, QUANT_X=True, EARLY_TILES=1), dict(W8A8_CONFIGS[2], COLS=20)]
 W8A8_IDS = ["fused-quant", "separate-quant", "32x32x32-grouped", "split-k-3", "fused-quant-early-tile",
-            "split-k-3-two-early-tiles", "grouped-four-early-tiles", "24-of-32-columns",
-            "12-of-16-columns-split-k-3-fused-quant", "20-of-32-columns-grouped"]
+            "split-k-3-two-early-tiles", "grouped-four-early-tiles"]
 W8A16_CONFIG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
 
 
@@ -141,9 +136,6 @@ def test_tma_tiles_give_the_pointer_kernels_bits():
     assert torch.equal(w8a8_gemm.launch(x, w, w_scale, None, TMA_CONFIG, x_q, x_scale),
                        w8a8_gemm.launch(x, w, w_scale, None, pointer))
     assert w8a8_gemm.launch(x[:0], w, w_scale, None, TMA_CONFIG).shape == (0, 72)
-    for config in (dict(TMA_CONFIG, COLS=24), dict(pointer, COLS=40), dict(pointer, COLS=0)):  # TMA boxes are whole
-        with pytest.raises(ValueError, match="a program's columns"):
-            w8a8_gemm.launch(x, w, w_scale, None, config)
 
 
 def test_tma_configs_run_the_tma_kernel_and_refuse_what_it_lacks(monkeypatch):
@@ -304,7 +296,6 @@ def test_the_tuner_then_picks_the_early_tiles_of_a_decode_config(monkeypatch, ca
 
     monkeypatch.setattr(tune, "w8a8_timer", lambda m, n, k, gemm: lambda config: 3.0)
     monkeypatch.setattr(tune, "gdn_input_verify", lambda m: None)
-    monkeypatch.setattr(tune.pdl, "multiprocessors", lambda device: 132)
     rounds = []
 
     def best_config(time_us, candidates):
@@ -337,32 +328,11 @@ def test_the_tuner_keeps_a_table_entry_within_its_noise_of_the_best(monkeypatch,
         return served_us
     monkeypatch.setattr(tune, "w8a8_timer", lambda m, n, k, gemm: timer)
     monkeypatch.setattr(tune, "gdn_input_verify", lambda m: None)
-    monkeypatch.setattr(tune.pdl, "multiprocessors", lambda device: 132)
     monkeypatch.setattr(tune, "best_config", lambda time_us, candidates: ({"BLOCK_M": 16, "QUANT_X": True}, 1.0))
     table = tune.tune_w8a8((16,))
     assert table and all((c is w8a8_gemm.CONFIGS[key]) == kept for key, c in table.items())
     lines = capsys.readouterr().out.splitlines()
     assert lines and all((", kept)" in line) == kept and ("(table's" in line) == (served_us is not None) for line in lines)
-
-
-def test_the_tuner_times_decode_grids_of_whole_waves():
-    """Besides power-of-two tiles, decode GEMMs try programs of fewer columns than their tile, so that the grid fills
-    one or two waves of the SMs: each such config covers N in at most that many programs, and runs."""
-    from qflash.server.tools import tune
-
-    assert tune.whole_waves(12352, 132) == [(128, 96), (64, 48)]  # 193 programs of 64 columns -> 129 of 96
-    assert tune.whole_waves(2560, 132) == [(32, 20), (16, 12)]
-    assert tune.whole_waves(4096, 128) == []  # 32 and 16 columns a program: power-of-two tiles already
-    for n in (2560, 12352, 18432):
-        columns = [c for c in tune.w8a8_candidates(16, n, 132) if "COLS" in c]
-        assert columns and all(triton.cdiv(n, c["COLS"]) <= 2 * 132 and c["COLS"] < c["BLOCK_N"] for c in columns)
-    assert not any("COLS" in c for c in tune.w8a8_candidates(2048, 12352, 132))  # prefill tiles stay whole
-    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16).to(DEVICE)
-    w, w_scale = int8_weight(200, 64)
-    plain = w8a8_gemm.launch(x, w, w_scale, None, W8A8_CONFIGS[1])
-    for config in tune.w8a8_candidates(16, 200, 4):  # 200 columns on 4 SMs: 52 of 64, 28 of 32 columns a program
-        if "COLS" in config:
-            assert torch.equal(w8a8_gemm.launch(x, w, w_scale, None, dict(config, BLOCK_K=64, num_stages=2)), plain)
 
 
 def test_bench_kernels_times_each_gemm_as_served_on_its_table_config(monkeypatch):
@@ -404,7 +374,6 @@ def test_tuning_some_row_buckets_keeps_the_tables_other_entries(monkeypatch):
     monkeypatch.setattr(tune, "require_gpu", lambda: None)
     monkeypatch.setattr(tune.torch.cuda, "get_device_name", lambda: "NVIDIA H200")
     monkeypatch.setattr(tune.torch.cuda, "get_device_capability", lambda: (9, 0))
-    monkeypatch.setattr(tune.pdl, "multiprocessors", lambda device: 132)
     class Timer(tuple):  # (M, N, K, gemm), and a time for the table entry a line reports beside the new one
         def __call__(self, config):
             return 2.0
@@ -516,17 +485,6 @@ def distinct(configs):
     return [dict(c) for c in {tuple(sorted(c.items())) for c in configs}]
 
 
-def pointer_constants(config: dict) -> dict:
-    """A pointer-kernel W8A8 config's constexprs as `w8a8_gemm.launch` passes them (its columns a program: the tile's
-    unless COLS says fewer), but the early tiles' count, which the caller turns into EARLY_K."""
-    return {"COLS": config["BLOCK_N"], **{k: v for k, v in config.items() if k != "EARLY_TILES"}}
-
-
-# a decode config whose programs own fewer columns than their tile: 12,352 / 96 = 129 programs for 132 SMs
-COLUMNS_CONFIG = dict(BLOCK_M=16, BLOCK_N=128, COLS=96, BLOCK_K=256, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4,
-                      num_stages=4)
-
-
 # the W8A8 GEMM's pointer arguments but x's, and those of its conv epilogue
 GEMM_POINTERS = {"x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*i8", "y_ptr": "*bf16",
                  "ws_ptr": "*i32", "count_ptr": "*i32"}
@@ -549,8 +507,7 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
     done = []
     gemm_ints = ("N", "K", "stride_xm", "stride_wn", "stride_ym")  # multiples of 16 at every served shape
     split_k = dict(w8a8_gemm.DEFAULT_DECODE, QUANT_X=False, SPLIT_K=4)  # the atomic split-K path compiles too
-    for config in distinct([*w8a8_gemm.CONFIGS.values(), w8a8_gemm.DEFAULT_DECODE, w8a8_gemm.DEFAULT_PREFILL, split_k,
-                            COLUMNS_CONFIG]):
+    for config in distinct([*w8a8_gemm.CONFIGS.values(), w8a8_gemm.DEFAULT_DECODE, w8a8_gemm.DEFAULT_PREFILL, split_k]):
         if config.get("TMA"):  # the prefill's TMA kernel, plain and with output cuts
             descriptors = {"x_desc": f"tensordesc<i8[{config['BLOCK_M']}, {config['BLOCK_K']}]>",
                            "w_desc": f"tensordesc<i8[{config['BLOCK_N']}, {config['BLOCK_K']}]>"}
@@ -562,7 +519,7 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
             continue
         pointers = {"x_ptr": "*bf16" if config["QUANT_X"] else "*i8", **GEMM_POINTERS}
         # weight tiles after or before the PDL wait (by the grid or the table's count, as served); the output in blocks
-        constants = pointer_constants(config)
+        constants = {k: v for k, v in config.items() if k != "EARLY_TILES"}
         for early, segmented in ((0, False), (config.get("EARLY_TILES", 1), False), (0, True)):
             kernel = compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, pointers,
                                       {"SPLIT_K": 1, **constants, "HAS_BIAS": False, "EARLY_K": early * config["BLOCK_K"],
@@ -571,11 +528,11 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
         done.append(("w8a8_gemm", config, "wgmma" in kernel.asm["ptx"]))
     # the GDN input projection's verify configs with the conv update in the epilogue (server/hooks/gdn_input_proj.py)
     in_proj = next(n for name, n, _ in shapes.TARGET if name == "gdn.in_proj_qkvzba")
-    for (phase, m, n, _), config in [*w8a8_gemm.CONFIGS.items(), (("verify", 16, in_proj, 0), COLUMNS_CONFIG)]:
+    for (phase, m, n, _), config in w8a8_gemm.CONFIGS.items():
         if phase == "verify" and n == in_proj and w8a8_gemm.conv_fits(config, m, shapes.GDN_IN_PROJ_CUTS,
                                                                       preset.BLOCK_SIZE):
             compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, {"x_ptr": "*i8", **GEMM_POINTERS, **CONV_POINTERS},
-                             {**pointer_constants(config), "HAS_BIAS": False,
+                             {**{k: v for k, v in config.items() if k != "EARLY_TILES"}, "HAS_BIAS": False,
                               "EARLY_K": 0, "SEGMENTED": True, "CONV_T":
                               preset.BLOCK_SIZE, "CONV_WIDTH": shapes.GDN_CONV_WIDTH, "CONV_BIAS": False},
                              gemm_ints + ("cut1", "cut2", "cut3"))
@@ -676,7 +633,8 @@ def test_every_table_config_compiles_for_sm90():
 def conv_epilogue_ptx() -> str:
     """The PTX of the GDN input GEMM with the conv update in its epilogue, at the verify's 16-row config, for sm90."""
     n, k = next((n, k) for name, n, k in shapes.TARGET if name == "gdn.in_proj_qkvzba")
-    config = pointer_constants(w8a8_gemm.table_config("verify", preset.BLOCK_SIZE, n, k))
+    config = w8a8_gemm.table_config("verify", preset.BLOCK_SIZE, n, k)
+    config = {key: v for key, v in config.items() if key != "EARLY_TILES"}
     return compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, {"x_ptr": "*i8", **GEMM_POINTERS, **CONV_POINTERS},
                             {**config, "HAS_BIAS": False, "EARLY_K": config["BLOCK_K"], "SEGMENTED": True,
                              "CONV_T": preset.BLOCK_SIZE, "CONV_WIDTH": shapes.GDN_CONV_WIDTH, "CONV_BIAS": False},

@@ -13,9 +13,8 @@ import time
 from pathlib import Path
 
 import torch
-import triton
 
-from qflash.kernels import conv_update, pdl, w4_draft_pick, w8a16_argmax, w8a16_gemm, w8a8_gemm
+from qflash.kernels import conv_update, w4_draft_pick, w8a16_argmax, w8a16_gemm, w8a8_gemm
 from qflash.kernels.config_table import DECODE_M, DECODE_MAX_M, PHASES, PREFILL_M
 from qflash.server.launcher import require_gpu
 from qflash.server.preset import BLOCK_SIZE
@@ -23,8 +22,8 @@ from qflash.server.tools.shapes import DRAFTER, GDN_CONV, GDN_CONV_WIDTH, GDN_IN
 from qflash.server.tools.timing import chain_calls, chain_us, cold_us
 
 
-def w8a8_candidates(m: int, n: int, sms: int) -> list[dict]:
-    """Configs to time for a W8A8 GEMM of m rows and n columns on a GPU of `sms` SMs."""
+def w8a8_candidates(m: int) -> list[dict]:
+    """Configs to time for a W8A8 GEMM of m rows."""
     if m > DECODE_MAX_M:
         tiles = [(128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (128, 256, 128, 8, 3), (64, 128, 128, 4, 4),
                  (128, 128, 64, 4, 4), (64, 256, 128, 8, 3), (128, 128, 128, 4, 3), (256, 128, 64, 8, 3),
@@ -35,24 +34,9 @@ def w8a8_candidates(m: int, n: int, sms: int) -> list[dict]:
                 + [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, QUANT_X=False, SPLIT_K=1, TMA=True, num_warps=w,
                         num_stages=s) for bm, bn, bk, w, s in tma_tiles])
     bm = min(max(m, 16), 64)
-    return ([dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, QUANT_X=qx, SPLIT_K=sk, num_warps=4, num_stages=s)
-             for bn in (16, 32, 64) for bk in (256, 512) for s in (3, 4)
-             for qx, sk in ((True, 1), (False, 1), (False, 2), (False, 4), (False, 8))]
-            + [dict(BLOCK_M=bm, BLOCK_N=bn, COLS=cols, BLOCK_K=bk, GROUP_M=1, QUANT_X=False, SPLIT_K=1, num_warps=4,
-                    num_stages=s) for bn, cols in whole_waves(n, sms) for bk in (128, 256, 512) for s in (3, 4)])
-
-
-def whole_waves(n: int, sms: int) -> list[tuple[int, int]]:
-    """(BLOCK_N, COLS) for programs owning COLS columns, a multiple of 4, of a power-of-two tile: n / COLS programs fill
-    one or two waves of the SMs, where power-of-two tiles leave a wave part empty (12,352 columns in 64-column tiles:
-    193 programs for 132 SMs; in 96 columns: 129)."""
-    splits = []
-    for waves in (1, 2):
-        cols = triton.cdiv(triton.cdiv(n, waves * sms), 4) * 4
-        block = triton.next_power_of_2(cols)
-        if cols < block <= 256:  # a power of two is among the plain tiles
-            splits.append((block, cols))
-    return splits
+    return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, QUANT_X=qx, SPLIT_K=sk, num_warps=4, num_stages=s)
+            for bn in (16, 32, 64) for bk in (256, 512) for s in (3, 4)
+            for qx, sk in ((True, 1), (False, 1), (False, 2), (False, 4), (False, 8))]
 
 
 # A W8A8 table entry stays unless a candidate beats it by more than this share: a retune then changes only the
@@ -147,7 +131,7 @@ def tune_w8a8(rows: tuple) -> dict:
             + [("prefill", m, s) for m in prefill for s in TARGET + DRAFTER])
     for phase, m, (name, n, k) in jobs:
         time_us = w8a8_timer(m, n, k, served_gemm(phase, name, m))
-        cfg, us = best_config(time_us, w8a8_candidates(m, n, pdl.multiprocessors(torch.device("cuda"))))
+        cfg, us = best_config(time_us, w8a8_candidates(m))
         if m <= DECODE_MAX_M and not cfg.get("QUANT_X"):
             # Then the weight tiles it loads before the PDL wait: each chained call follows its quantization launch,
             # a small kernel, as most of a cycle's GEMMs follow a norm or an activation.
