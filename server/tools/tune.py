@@ -165,22 +165,22 @@ def tune_draft_pick(rows: tuple, head: tuple) -> dict:
                      lambda x, c: w4_draft_pick.launch(x, *copy, *head, c), copy[0].numel() + copy[1].numel())
 
 
-def render(table: dict, machine: str) -> str:
+def render(table: dict, tuned_on: str) -> str:
     """The `CONFIGS = {...}` source block, one sorted line per key."""
-    lines = [f"# Tuned on {machine} by `qflash tune`: (phase, M bucket, N, K) -> launch config.", "CONFIGS = {"]
+    lines = [f"# Tuned on {tuned_on} by `qflash tune`: (phase, M bucket, N, K) -> launch config.", "CONFIGS = {"]
     for key in sorted(table, key=lambda k: (PHASES.index(k[0]), *k[1:])):
         cfg = ", ".join(f"{name}={value!r}" for name, value in table[key].items())
         lines.append(f"    {key!r}: dict({cfg}),")
     return "\n".join(lines + ["}"]) + "\n"
 
 
-def write(path: Path, table: dict, machine: str) -> None:
+def write(path: Path, table: dict, tuned_on: str) -> None:
     """Replace the table at the end of a kernel file (from its `# Tuned on` / `CONFIGS = {` line on)."""
     text = Path(path).read_text()
     match = re.search(r"^(# Tuned on .*\n)?CONFIGS = \{", text, flags=re.M)
     if match is None:
         raise ValueError(f"{path} has no CONFIGS table")
-    Path(path).write_text(text[:match.start()] + render(table, machine))
+    Path(path).write_text(text[:match.start()] + render(table, tuned_on))
 
 
 def add_arguments(p) -> None:
@@ -192,11 +192,11 @@ def add_arguments(p) -> None:
 
 def run(args, extra) -> int:
     require_gpu()
-    machine = f"{torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))})"
+    tuned_on = f"{torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))})"
     start = time.monotonic()
     rows = tuple(args.rows)
     if set(rows) != set(DECODE_M + PREFILL_M):  # the header must not claim the entries this run kept
-        machine += f", the {'/'.join(map(str, rows))}-row buckets only (the others: BENCHMARKS.md)"
+        tuned_on += f", the {'/'.join(map(str, rows))}-row buckets only (the others: BENCHMARKS.md)"
     n, k = LM_HEAD[1:]
     head = int8_weight(n, k)
     for module, tune in (
@@ -208,7 +208,7 @@ def run(args, extra) -> int:
                                              lambda x, c: w8a16_argmax.launch(x, *head, c), n * k)),
             (w4_draft_pick, lambda: tune_draft_pick(rows, head))):
         table = {**module.CONFIGS, **tune()}  # the buckets not tuned keep their entries
-        write(module.__file__, table, machine)  # each table as soon as it is done
+        write(module.__file__, table, tuned_on)  # each table as soon as it is done
         print(f"wrote {len(table)} configs to {module.__file__}", flush=True)
     print(f"tuned in {time.monotonic() - start:.0f} s")
     return 0
