@@ -59,8 +59,12 @@ export QFLASH_CACHE=/tmp/qflash-cache PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
 if [ "${TUNE:-0}" = 1 ]; then
+  # Its hundreds of candidate compiles, which no server runs, go to a cache of their own: in ~/.triton they grew the
+  # cache that goes back past the device's 16 MiB a file, and no call on that machine brought one back (BENCHMARKS.md,
+  # sixtieth session).
   # shellcheck disable=SC2086
-  timeout "$(within "${TUNE_TIMEOUT:-330}")" python3 -m qflash.server.cli tune ${TUNE_ARGS:-} > "$OUT/tune.log" 2>&1 || status=1
+  TRITON_CACHE_DIR=$RUN/tune-triton timeout "$(within "${TUNE_TIMEOUT:-330}")" python3 -m qflash.server.cli tune \
+    ${TUNE_ARGS:-} > "$OUT/tune.log" 2>&1 || status=1
   grep -E "wrote|tuned in" "$OUT/tune.log"
   cp kernels/w8a8_gemm.py kernels/w8a16_gemm.py kernels/w8a16_argmax.py kernels/w4_draft_pick.py "$OUT/"
   pack
