@@ -158,11 +158,13 @@ if [ -n "${SWITCH_AB:-}" ]; then
   pkill -f sglang.launch_server
 fi
 pack
-[ -d ~/.triton/cache ] && tar -C ~/.triton -cf - cache | xz -6 -T0 > "$FINAL/triton-cache.tar.xz"
+# Each cache is packed beside $FINAL and then moved in, so a call stopped while packing brings back no empty one.
+[ -d ~/.triton/cache ] && tar -C ~/.triton -cf - cache | xz -6 -T0 > "$RUN/triton-cache.tar.xz" \
+  && mv "$RUN/triton-cache.tar.xz" "$FINAL/"
 jit=$(cd ~/.cache 2>/dev/null && for d in $JIT_CACHES; do [ -d "$d" ] && echo "$d"; done)
 if [ -n "$jit" ]; then
   (cd ~/.cache && du -sh $jit)
   # shellcheck disable=SC2086
-  tar -C ~/.cache -cf - $jit | xz -6 -T0 > "$FINAL/jit-cache.tar.xz"
+  tar -C ~/.cache -cf - $jit | xz -6 -T0 > "$RUN/jit-cache.tar.xz" && mv "$RUN/jit-cache.tar.xz" "$FINAL/"
 fi
 exit $status
