@@ -59,9 +59,9 @@ export QFLASH_CACHE=/tmp/qflash-cache PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
 if [ "${TUNE:-0}" = 1 ]; then
-  # Its hundreds of candidate compiles, which no server runs, go to a cache of their own: in ~/.triton they grew the
-  # cache that goes back past the device's 16 MiB a file, and no call on that machine brought one back (BENCHMARKS.md,
-  # sixtieth session).
+  # Its hundreds of candidate compiles, most of which no server runs, go to a cache of their own: in ~/.triton they
+  # grew the cache that goes back past the device's 16 MiB a file, and no call on that machine brought one back
+  # (BENCHMARKS.md, sixtieth session). The tests after it compile the table's configs again.
   # shellcheck disable=SC2086
   TRITON_CACHE_DIR=$RUN/tune-triton timeout "$(within "${TUNE_TIMEOUT:-330}")" python3 -m qflash.server.cli tune \
     ${TUNE_ARGS:-} > "$OUT/tune.log" 2>&1 || status=1
