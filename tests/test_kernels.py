@@ -387,10 +387,10 @@ def test_tuning_some_row_buckets_keeps_the_tables_other_entries(monkeypatch):
             jobs.append(timer)
         return {"new": True}, 1.0
     monkeypatch.setattr(tune, "best_config", best_config)
-    monkeypatch.setattr(tune, "write", lambda path, table, machine: written.update({Path(path).stem: table,
-                                                                                    "machine": machine}))
+    monkeypatch.setattr(tune, "write", lambda path, table, tuned_on: written.update({Path(path).stem: table,
+                                                                                     "tuned_on": tuned_on}))
     assert tune.run(argparse.Namespace(rows=[16]), []) == 0
-    assert written["machine"] == "NVIDIA H200 (sm90), the 16-row buckets only (the others: BENCHMARKS.md)"
+    assert written["tuned_on"] == "NVIDIA H200 (sm90), the 16-row buckets only (the others: BENCHMARKS.md)"
     assert {timer[0] for timer in jobs if isinstance(timer, tuple)} == {16}  # (M, N, K) of the W8A8 shapes timed
     in_proj = next(n for name, n, _ in shapes.TARGET if name == "gdn.in_proj_qkvzba")
     # the GDN input GEMM's verify timed as served, with the conv; every other GEMM alone
@@ -485,6 +485,12 @@ def distinct(configs):
     return [dict(c) for c in {tuple(sorted(c.items())) for c in configs}]
 
 
+def pointer_constants(config: dict) -> dict:
+    """A pointer-kernel W8A8 config's constexprs as `w8a8_gemm.launch` passes them, but the early tiles' count,
+    which the caller turns into EARLY_K."""
+    return {k: v for k, v in config.items() if k != "EARLY_TILES"}
+
+
 # the W8A8 GEMM's pointer arguments but x's, and those of its conv epilogue
 GEMM_POINTERS = {"x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*i8", "y_ptr": "*bf16",
                  "ws_ptr": "*i32", "count_ptr": "*i32"}
@@ -519,7 +525,7 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
             continue
         pointers = {"x_ptr": "*bf16" if config["QUANT_X"] else "*i8", **GEMM_POINTERS}
         # weight tiles after or before the PDL wait (by the grid or the table's count, as served); the output in blocks
-        constants = {k: v for k, v in config.items() if k != "EARLY_TILES"}
+        constants = pointer_constants(config)
         for early, segmented in ((0, False), (config.get("EARLY_TILES", 1), False), (0, True)):
             kernel = compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, pointers,
                                       {"SPLIT_K": 1, **constants, "HAS_BIAS": False, "EARLY_K": early * config["BLOCK_K"],
@@ -532,7 +538,7 @@ def compile_every_table_config() -> list[tuple[str, dict, bool]]:
         if phase == "verify" and n == in_proj and w8a8_gemm.conv_fits(config, m, shapes.GDN_IN_PROJ_CUTS,
                                                                       preset.BLOCK_SIZE):
             compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, {"x_ptr": "*i8", **GEMM_POINTERS, **CONV_POINTERS},
-                             {**{k: v for k, v in config.items() if k != "EARLY_TILES"}, "HAS_BIAS": False,
+                             {**pointer_constants(config), "HAS_BIAS": False,
                               "EARLY_K": 0, "SEGMENTED": True, "CONV_T":
                               preset.BLOCK_SIZE, "CONV_WIDTH": shapes.GDN_CONV_WIDTH, "CONV_BIAS": False},
                              gemm_ints + ("cut1", "cut2", "cut3"))
@@ -633,8 +639,7 @@ def test_every_table_config_compiles_for_sm90():
 def conv_epilogue_ptx() -> str:
     """The PTX of the GDN input GEMM with the conv update in its epilogue, at the verify's 16-row config, for sm90."""
     n, k = next((n, k) for name, n, k in shapes.TARGET if name == "gdn.in_proj_qkvzba")
-    config = w8a8_gemm.table_config("verify", preset.BLOCK_SIZE, n, k)
-    config = {key: v for key, v in config.items() if key != "EARLY_TILES"}
+    config = pointer_constants(w8a8_gemm.table_config("verify", preset.BLOCK_SIZE, n, k))
     return compile_for_sm90(w8a8_gemm._w8a8_gemm_kernel, {"x_ptr": "*i8", **GEMM_POINTERS, **CONV_POINTERS},
                             {**config, "HAS_BIAS": False, "EARLY_K": config["BLOCK_K"], "SEGMENTED": True,
                              "CONV_T": preset.BLOCK_SIZE, "CONV_WIDTH": shapes.GDN_CONV_WIDTH, "CONV_BIAS": False},
