@@ -295,7 +295,7 @@ def test_the_tuner_then_picks_the_early_tiles_of_a_decode_config(monkeypatch, ca
     from qflash.server.tools import tune
 
     monkeypatch.setattr(tune, "w8a8_timer", lambda m, n, k, gemm: lambda config: 3.0)
-    monkeypatch.setattr(tune, "gdn_input_verify", lambda m: None)
+    monkeypatch.setattr(tune, "gdn_input_verify", lambda m, then_verify: None)
     rounds = []
 
     def best_config(time_us, candidates):
@@ -327,7 +327,7 @@ def test_the_tuner_keeps_a_table_entry_within_its_noise_of_the_best(monkeypatch,
             raise RuntimeError("out of shared memory")
         return served_us
     monkeypatch.setattr(tune, "w8a8_timer", lambda m, n, k, gemm: timer)
-    monkeypatch.setattr(tune, "gdn_input_verify", lambda m: None)
+    monkeypatch.setattr(tune, "gdn_input_verify", lambda m, then_verify: None)
     monkeypatch.setattr(tune, "best_config", lambda time_us, candidates: ({"BLOCK_M": 16, "QUANT_X": True}, 1.0))
     table = tune.tune_w8a8((16,))
     assert table and all((c is w8a8_gemm.CONFIGS[key]) == kept for key, c in table.items())
@@ -357,13 +357,15 @@ def test_bench_kernels_times_each_gemm_as_served_on_its_table_config(monkeypatch
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_the_tuner_runs_the_gdn_input_verify_with_and_without_the_conv_epilogue_gpu():
+def test_the_tuner_runs_the_gdn_input_gemm_with_and_without_its_conv_epilogue_and_verify_gpu():
     from qflash.server.tools import tune
 
     n, k = next((n, k) for name, n, k in shapes.TARGET if name == "gdn.in_proj_qkvzba")
     x, (w, w_scale) = torch.randn(32, k, device="cuda", dtype=torch.bfloat16), tune.int8_weight(n, k)
     for split_k in (1, 2):  # the conv in the epilogue; split-K: the GEMM, then the conv kernel
-        tune.gdn_input_verify(32)(x, w, w_scale, None, dict(w8a8_gemm.DEFAULT_DECODE, QUANT_X=False, SPLIT_K=split_k))
+        for then_verify in (False, True):
+            tune.gdn_input_verify(32, then_verify)(x, w, w_scale, None,
+                                                    dict(w8a8_gemm.DEFAULT_DECODE, QUANT_X=False, SPLIT_K=split_k))
     torch.cuda.synchronize()
 
 
@@ -378,7 +380,8 @@ def test_tuning_some_row_buckets_keeps_the_tables_other_entries(monkeypatch):
         def __call__(self, config):
             return 2.0
     monkeypatch.setattr(tune, "w8a8_timer", lambda m, n, k, gemm: Timer((m, n, k, gemm)))
-    monkeypatch.setattr(tune, "gdn_input_verify", lambda m: f"the GDN input GEMM of {m} rows, its conv in a verify")
+    monkeypatch.setattr(tune, "gdn_input_verify", lambda m, then_verify: f"the GDN input GEMM of {m} rows, its conv in a "
+                        f"verify{', then the GDN verify' if then_verify else ''}")
     monkeypatch.setattr(tune, "int8_weight", lambda n, k: (None, None))
     monkeypatch.setattr(tune.w4_draft_pick, "quantize", lambda w: (torch.empty(0), torch.empty(0)))
     monkeypatch.setattr(tune.torch, "randn", lambda *shape, **kw: None)
@@ -393,10 +396,10 @@ def test_tuning_some_row_buckets_keeps_the_tables_other_entries(monkeypatch):
     assert written["tuned_on"] == "NVIDIA H200 (sm90), the 16-row buckets only (the others: BENCHMARKS.md)"
     assert {timer[0] for timer in jobs if isinstance(timer, tuple)} == {16}  # (M, N, K) of the W8A8 shapes timed
     in_proj = next(n for name, n, _ in shapes.TARGET if name == "gdn.in_proj_qkvzba")
-    # the GDN input GEMM's verify timed as served, with the conv; every other GEMM alone
+    # the GDN input GEMM's verify timed as served, with the conv and the GDN verify waiting on it; every other GEMM alone
     gemms = [timer[3] for timer in jobs if isinstance(timer, tuple)]
     assert [timer[3] for timer in jobs if isinstance(timer, tuple) and timer[1] == in_proj] == [
-        "the GDN input GEMM of 16 rows, its conv in a verify"]
+        "the GDN input GEMM of 16 rows, its conv in a verify, then the GDN verify"]
     assert gemms.count(w8a8_gemm.launch) == len(gemms) - 1
     for module in (w8a8_gemm, w8a16_gemm, w8a16_argmax, w4_draft_pick):
         table = written[Path(module.__file__).stem]

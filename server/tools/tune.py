@@ -3,8 +3,8 @@
 Offline only: run once on the target GPU (sm90 for the H200) and commit the rewritten kernel files;
 serving reads the tables and never tunes. Each candidate is timed on random data with no host overhead: a decode
 W8A8 GEMM in a chain of calls over their own weight copies, as a cycle's layers run it (`timing.chain_us`; a GDN
-layer's input GEMM in a verify with its conv update, as served), the others with an L2 flush before each run
-(`timing.cold_us`); configs that do not fit the chip are skipped.
+layer's input GEMM in a verify with its conv update and the GDN verify that waits on it, as served), the others with an
+L2 flush before each run (`timing.cold_us`); configs that do not fit the chip are skipped.
 """
 
 import functools
@@ -14,11 +14,12 @@ from pathlib import Path
 
 import torch
 
-from qflash.kernels import conv_update, w4_draft_pick, w8a16_argmax, w8a16_gemm, w8a8_gemm
+from qflash.kernels import conv_update, gdn_verify, w4_draft_pick, w8a16_argmax, w8a16_gemm, w8a8_gemm
 from qflash.kernels.config_table import DECODE_M, DECODE_MAX_M, PHASES, PREFILL_M
 from qflash.server.launcher import require_gpu
 from qflash.server.preset import BLOCK_SIZE
-from qflash.server.tools.shapes import DRAFTER, GDN_CONV, GDN_CONV_WIDTH, GDN_IN_PROJ_CUTS, LM_HEAD, TARGET
+from qflash.server.tools.shapes import (DRAFTER, GDN_CONV, GDN_CONV_WIDTH, GDN_HEADS, GDN_IN_PROJ_CUTS, GDN_KEY,
+                                        GDN_VALUE, LM_HEAD, TARGET)
 from qflash.server.tools.timing import chain_calls, chain_us, cold_us
 
 
@@ -81,16 +82,37 @@ def int8_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.rand(n, device="cuda") / (127 * k ** 0.5) + 1e-6)
 
 
-def gdn_input_verify(m: int):
+def gdn_input_verify(m: int, then_verify: bool = False):
     """`gemm(x, w, w_scale, bias, config)`: a GDN layer's input GEMM in a verify of m rows, as served
     (server/hooks/gdn_input_proj.py): the conv update of q|k|v in its epilogue where the config allows it, else the
-    GEMM and then the conv kernel. Its conv inputs are made here, outside the timed graph."""
+    GEMM and then the conv kernel. Its conv inputs are made here, outside the timed graph. `then_verify`: the GDN
+    verify (kernels/gdn_verify.py) runs after it on its outputs, as in a cycle, where it waits on the GEMM under PDL:
+    a config that is faster alone but ends later behind its grid loses there (BENCHMARKS.md, sixtieth session)."""
     requests, cuts = m // BLOCK_SIZE, GDN_IN_PROJ_CUTS
     state = torch.zeros(requests, GDN_CONV, GDN_CONV_WIDTH - 1, device="cuda", dtype=torch.bfloat16)
     slots = torch.arange(requests, device="cuda", dtype=torch.int32)
     call = dict(conv_state_indices=slots, intermediate_state_indices=slots,
                 intermediate_conv_window=state.new_zeros(requests, BLOCK_SIZE, GDN_CONV, GDN_CONV_WIDTH - 1))
     conv_weight = torch.ones(GDN_CONV, GDN_CONV_WIDTH, device="cuda", dtype=torch.bfloat16)
+    verify_layers = {}  # each weight copy's layer: its own recurrent state and rings, cold as a cycle's are
+
+    def verify(y, w):
+        h, hv, dk = GDN_HEADS
+        dv = GDN_VALUE // hv
+        if w.data_ptr() not in verify_layers:
+            verify_layers[w.data_ptr()] = dict(
+                A_log=torch.zeros(hv, device="cuda"), dt_bias=torch.zeros(hv, device="cuda"), softplus_beta=1.0,
+                softplus_threshold=20.0, initial_state_source=torch.zeros(requests, hv, dv, dk, device="cuda"),
+                initial_state_indices=slots,
+                cu_seqlens=torch.arange(0, m + 1, BLOCK_SIZE, device="cuda", dtype=torch.int32),
+                replayssm_rawv=torch.zeros(requests, hv, BLOCK_SIZE, dv, device="cuda", dtype=torch.bfloat16),
+                replayssm_rawk=torch.zeros(requests, h, BLOCK_SIZE, dk, device="cuda", dtype=torch.bfloat16),
+                replayssm_g=torch.zeros(requests, hv, BLOCK_SIZE, device="cuda"),
+                replayssm_beta=torch.zeros(requests, hv, BLOCK_SIZE, device="cuda"))
+        qkv, _, b, a = w8a8_gemm.segments(y, m, list(cuts), w.shape[0])
+        q, k, v = (rows.unflatten(-1, (-1, dim))[None] for rows, dim in zip(
+            qkv.split([GDN_KEY, GDN_KEY, GDN_VALUE], dim=-1), (dk, dk, dv)))  # views, as the hooked split gives them
+        gdn_verify.verify(q=q, k=k, v=v, a=a, b=b, **verify_layers[w.data_ptr()])
 
     def gemm(x, w, w_scale, bias, config):
         y = torch.empty(m * w.shape[0], device="cuda", dtype=x.dtype)
@@ -101,15 +123,17 @@ def gdn_input_verify(m: int):
         else:
             w8a8_gemm.launch(x, w, w_scale, bias, config, cuts=cuts, y=y)
             conv_update.conv_update(qkv, state, conv_weight, None, "silu", **call)
+        if then_verify:
+            verify(y, w)
     return gemm
 
 
-def served_gemm(phase: str, name: str, m: int):
+def served_gemm(phase: str, name: str, m: int, then_verify: bool = False):
     """`gemm(x, w, w_scale, bias, config)`: the W8A8 GEMM `name` (shapes.py) of m rows in `phase` as the server runs
-    it, so a config is timed in the kernel it configures: a verify's GDN input GEMM with its conv update; else the
-    plain GEMM."""
+    it, so a config is timed in the kernel it configures: a verify's GDN input GEMM with its conv update (and, with
+    `then_verify`, the GDN verify after it); else the plain GEMM."""
     if (phase, name) == ("verify", "gdn.in_proj_qkvzba"):
-        return gdn_input_verify(m)
+        return gdn_input_verify(m, then_verify)
     return w8a8_gemm.launch
 
 
@@ -130,7 +154,7 @@ def tune_w8a8(rows: tuple) -> dict:
     jobs = ([("verify", m, s) for m in decode for s in TARGET] + [("draft", m, s) for m in decode for s in DRAFTER]
             + [("prefill", m, s) for m in prefill for s in TARGET + DRAFTER])
     for phase, m, (name, n, k) in jobs:
-        time_us = w8a8_timer(m, n, k, served_gemm(phase, name, m))
+        time_us = w8a8_timer(m, n, k, served_gemm(phase, name, m, then_verify=True))
         cfg, us = best_config(time_us, w8a8_candidates(m))
         if m <= DECODE_MAX_M and not cfg.get("QUANT_X"):
             # Then the weight tiles it loads before the PDL wait: each chained call follows its quantization launch,
