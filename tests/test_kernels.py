@@ -369,7 +369,9 @@ def test_the_tuner_runs_the_gdn_input_gemm_with_and_without_its_conv_epilogue_an
     torch.cuda.synchronize()
 
 
-def test_tuning_some_row_buckets_keeps_the_tables_other_entries(monkeypatch):
+@pytest.mark.parametrize("gemms", [None, ("gdn.in_proj_qkvzba",)])
+def test_tuning_some_row_buckets_keeps_the_tables_other_entries(monkeypatch, gemms):
+    """`--rows 16`: the 16-row buckets of every table; with `--gemms`, of the W8A8 table's named GEMMs alone."""
     from qflash.server.tools import tune
 
     jobs, written = [], {}
@@ -392,10 +394,17 @@ def test_tuning_some_row_buckets_keeps_the_tables_other_entries(monkeypatch):
     monkeypatch.setattr(tune, "best_config", best_config)
     monkeypatch.setattr(tune, "write", lambda path, table, tuned_on: written.update({Path(path).stem: table,
                                                                                      "tuned_on": tuned_on}))
-    assert tune.run(argparse.Namespace(rows=[16]), []) == 0
-    assert written["tuned_on"] == "NVIDIA H200 (sm90), the 16-row buckets only (the others: BENCHMARKS.md)"
-    assert {timer[0] for timer in jobs if isinstance(timer, tuple)} == {16}  # (M, N, K) of the W8A8 shapes timed
+    assert tune.run(argparse.Namespace(rows=[16], gemms=gemms or tune.W8A8_GEMMS), []) == 0
+    of = f" of {gemms[0]}" if gemms else ""
+    assert written.pop("tuned_on") == f"NVIDIA H200 (sm90), the 16-row buckets{of} only (the others: BENCHMARKS.md)"
+    assert set(written) == ({"w8a8_gemm"} if gemms else {"w8a8_gemm", "w8a16_gemm", "w8a16_argmax", "w4_draft_pick"})
     in_proj = next(n for name, n, _ in shapes.TARGET if name == "gdn.in_proj_qkvzba")
+    if gemms:  # its one W8A8 job; the table's other 16-row entries kept
+        assert [timer[3] for timer in jobs] == ["the GDN input GEMM of 16 rows, its conv in a verify, then the GDN verify"]
+        assert [key for key, c in written["w8a8_gemm"].items() if c == {"new": True}] == [
+            ("verify", 16, in_proj, shapes.HIDDEN)]
+        return
+    assert {timer[0] for timer in jobs if isinstance(timer, tuple)} == {16}  # (M, N, K) of the W8A8 shapes timed
     # the GDN input GEMM's verify timed as served, with the conv and the GDN verify waiting on it; every other GEMM alone
     gemms = [timer[3] for timer in jobs if isinstance(timer, tuple)]
     assert [timer[3] for timer in jobs if isinstance(timer, tuple) and timer[1] == in_proj] == [

@@ -40,6 +40,7 @@ def w8a8_candidates(m: int) -> list[dict]:
             for qx, sk in ((True, 1), (False, 1), (False, 2), (False, 4), (False, 8))]
 
 
+W8A8_GEMMS = tuple(name for name, _, _ in TARGET + DRAFTER)
 # A W8A8 table entry stays unless a candidate beats it by more than this share: a retune then changes only the
 # shapes it speeds up, not those whose best moved within the timing's noise, and each change is one to A/B.
 KEEP_WITHIN = 0.02
@@ -148,11 +149,12 @@ def w8a8_timer(m: int, n: int, k: int, gemm=w8a8_gemm.launch):
     return lambda c: chain_us([functools.partial(gemm, x, w, w_scale, None, c) for w, w_scale in weights])
 
 
-def tune_w8a8(rows: tuple) -> dict:
+def tune_w8a8(rows: tuple, gemms: tuple = W8A8_GEMMS) -> dict:
     table = {}
     decode, prefill = [m for m in DECODE_M if m in rows], [m for m in PREFILL_M if m in rows]
     jobs = ([("verify", m, s) for m in decode for s in TARGET] + [("draft", m, s) for m in decode for s in DRAFTER]
             + [("prefill", m, s) for m in prefill for s in TARGET + DRAFTER])
+    jobs = [(phase, m, shape) for phase, m, shape in jobs if shape[0] in gemms]
     for phase, m, (name, n, k) in jobs:
         time_us = w8a8_timer(m, n, k, served_gemm(phase, name, m, then_verify=True))
         cfg, us = best_config(time_us, w8a8_candidates(m))
@@ -212,25 +214,30 @@ def add_arguments(p) -> None:
                    default=DECODE_M + PREFILL_M, metavar="M",
                    help=f"the row buckets to tune (decode {DECODE_M}, prefill {PREFILL_M}; default all); "
                         "the tables keep their other entries")
+    p.add_argument("--gemms", nargs="+", choices=W8A8_GEMMS, default=W8A8_GEMMS, metavar="NAME",
+                   help="only these W8A8 GEMMs (server/tools/shapes.py's names), and not the lm_head's kernels; "
+                        "default all of them")
 
 
 def run(args, extra) -> int:
     require_gpu()
     tuned_on = f"{torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))})"
     start = time.monotonic()
-    rows = tuple(args.rows)
-    if set(rows) != set(DECODE_M + PREFILL_M):  # the header must not claim the entries this run kept
-        tuned_on += f", the {'/'.join(map(str, rows))}-row buckets only (the others: BENCHMARKS.md)"
+    rows, gemms = tuple(args.rows), tuple(args.gemms)
+    some_gemms = set(gemms) != set(W8A8_GEMMS)
+    if set(rows) != set(DECODE_M + PREFILL_M) or some_gemms:  # the header must not claim the entries this run kept
+        of = f" of {', '.join(gemms)}" if some_gemms else ""
+        tuned_on += f", the {'/'.join(map(str, rows))}-row buckets{of} only (the others: BENCHMARKS.md)"
     n, k = LM_HEAD[1:]
     head = int8_weight(n, k)
-    for module, tune in (
-            (w8a8_gemm, lambda: tune_w8a8(rows)),
-            (w8a16_gemm, lambda: tune_head(w8a16_gemm, "lm_head", rows, functools.partial(w8a16_candidates, group=True),
-                                           lambda x, c: w8a16_gemm.launch(x, *head, c), n * k)),
-            (w8a16_argmax, lambda: tune_head(w8a16_argmax, "lm_head", rows,
-                                             functools.partial(w8a16_candidates, group=False),
-                                             lambda x, c: w8a16_argmax.launch(x, *head, c), n * k)),
-            (w4_draft_pick, lambda: tune_draft_pick(rows, head))):
+    modules = (
+        (w8a8_gemm, lambda: tune_w8a8(rows, gemms)),
+        (w8a16_gemm, lambda: tune_head(w8a16_gemm, "lm_head", rows, functools.partial(w8a16_candidates, group=True),
+                                       lambda x, c: w8a16_gemm.launch(x, *head, c), n * k)),
+        (w8a16_argmax, lambda: tune_head(w8a16_argmax, "lm_head", rows, functools.partial(w8a16_candidates, group=False),
+                                         lambda x, c: w8a16_argmax.launch(x, *head, c), n * k)),
+        (w4_draft_pick, lambda: tune_draft_pick(rows, head)))
+    for module, tune in modules[:1] if some_gemms else modules:  # --gemms: the W8A8 table alone
         table = {**module.CONFIGS, **tune()}  # the buckets not tuned keep their entries
         write(module.__file__, table, tuned_on)  # each table as soon as it is done
         print(f"wrote {len(table)} configs to {module.__file__}", flush=True)
