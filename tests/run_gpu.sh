@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Everything the H200 checks, in one device call; results and logs land in $OUT. Steps, by variable:
 #   TUNE=1                 qflash tune $TUNE_ARGS (rewrites the kernel tables; copies them to $OUT; e.g.
-#                          TUNE_ARGS="--rows 16" retunes only the 16-row buckets, so the A/B below can follow it)
+#                          TUNE_ARGS="--rows 16" retunes only the 16-row buckets, and "--rows 16 --gemms NAME" one
+#                          W8A8 entry, so the A/B below can follow it)
 #   TESTS="pytest args"    default "-m gpu tests" (all GPU tests); TESTS=0 skips. Parsed as shell words, so a
 #                          quoted -k works: TESTS="tests/test_kernels_gpu.py -k 'w8a8 and not prefill'"
-#   STABLE=0               the tests need no stable-choice checkpoint (conftest.stable_checkpoint): not built
+#   STABLE=0               the tests need no stable-choice checkpoint (conftest.stable_checkpoint): not built. The
+#                          quantized-server tests (the losslessness test among them) need it: without this step its
+#                          ~1.5 min build falls inside TESTS_TIMEOUT (BENCHMARKS.md, sixty-first session)
 #   EVAL_DEPS=1            install lm-eval offline for tests/test_eval_gpu.py (carry .gpu-eval too:
 #                          tests/fetch_eval_deps.sh makes it here, 15.3 MiB)
 #   BENCH_KERNELS=1        qflash bench-kernels $BENCH_KERNELS_ARGS (e.g. --skip-gemms)
