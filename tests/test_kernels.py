@@ -382,8 +382,8 @@ def test_tuning_some_row_buckets_keeps_the_tables_other_entries(monkeypatch, gem
         def __call__(self, config):
             return 2.0
     monkeypatch.setattr(tune, "w8a8_timer", lambda m, n, k, gemm: Timer((m, n, k, gemm)))
-    monkeypatch.setattr(tune, "gdn_input_verify", lambda m, then_verify: f"the GDN input GEMM of {m} rows, its conv in a "
-                        f"verify{', then the GDN verify' if then_verify else ''}")
+    monkeypatch.setattr(tune, "gdn_input_verify", lambda m, then_verify: f"the GDN input GEMM of {m} rows, its conv "
+                        f"in a verify{', then the GDN verify' if then_verify else ''}")
     monkeypatch.setattr(tune, "int8_weight", lambda n, k: (None, None))
     monkeypatch.setattr(tune.w4_draft_pick, "quantize", lambda w: (torch.empty(0), torch.empty(0)))
     monkeypatch.setattr(tune.torch, "randn", lambda *shape, **kw: None)
@@ -400,12 +400,13 @@ def test_tuning_some_row_buckets_keeps_the_tables_other_entries(monkeypatch, gem
     assert set(written) == ({"w8a8_gemm"} if gemms else {"w8a8_gemm", "w8a16_gemm", "w8a16_argmax", "w4_draft_pick"})
     in_proj = next(n for name, n, _ in shapes.TARGET if name == "gdn.in_proj_qkvzba")
     if gemms:  # its one W8A8 job; the table's other 16-row entries kept
-        assert [timer[3] for timer in jobs] == ["the GDN input GEMM of 16 rows, its conv in a verify, then the GDN verify"]
+        assert [timer[3] for timer in jobs] == [
+            "the GDN input GEMM of 16 rows, its conv in a verify, then the GDN verify"]
         assert [key for key, c in written["w8a8_gemm"].items() if c == {"new": True}] == [
             ("verify", 16, in_proj, shapes.HIDDEN)]
         return
     assert {timer[0] for timer in jobs if isinstance(timer, tuple)} == {16}  # (M, N, K) of the W8A8 shapes timed
-    # the GDN input GEMM's verify timed as served, with the conv and the GDN verify waiting on it; every other GEMM alone
+    # the GDN input GEMM's verify timed as served, with the conv and the GDN verify that waits on it; the rest alone
     gemms = [timer[3] for timer in jobs if isinstance(timer, tuple)]
     assert [timer[3] for timer in jobs if isinstance(timer, tuple) and timer[1] == in_proj] == [
         "the GDN input GEMM of 16 rows, its conv in a verify, then the GDN verify"]

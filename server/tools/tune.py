@@ -234,7 +234,8 @@ def run(args, extra) -> int:
         (w8a8_gemm, lambda: tune_w8a8(rows, gemms)),
         (w8a16_gemm, lambda: tune_head(w8a16_gemm, "lm_head", rows, functools.partial(w8a16_candidates, group=True),
                                        lambda x, c: w8a16_gemm.launch(x, *head, c), n * k)),
-        (w8a16_argmax, lambda: tune_head(w8a16_argmax, "lm_head", rows, functools.partial(w8a16_candidates, group=False),
+        (w8a16_argmax, lambda: tune_head(w8a16_argmax, "lm_head", rows,
+                                         functools.partial(w8a16_candidates, group=False),
                                          lambda x, c: w8a16_argmax.launch(x, *head, c), n * k)),
         (w4_draft_pick, lambda: tune_draft_pick(rows, head)))
     for module, tune in modules[:1] if some_gemms else modules:  # --gemms: the W8A8 table alone
