@@ -215,6 +215,13 @@ def takes(k: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
     return k.shape[1] == BLOCK_STEPS * (len(cu_seqlens) - 1)
 
 
+def head_views(rows: torch.Tensor, heads: tuple) -> tuple[torch.Tensor, ...]:
+    """q, k and v [1, T, heads, dim] as views of the conv's output rows [T, q|k|v], a token's row apart (qflash's GDN
+    kernels read strided rows, so nothing is copied); heads: (count, dim) of q, k and v."""
+    parts = rows.split([count * dim for count, dim in heads], dim=-1)
+    return tuple(part.unflatten(-1, shape)[None] for part, shape in zip(parts, heads))
+
+
 def check_shape(k: int, v: int, config: dict) -> None:
     if k != triton.next_power_of_2(k) or v % config["BV"]:
         raise ValueError(f"GDN heads of {k} keys x {v} values do not fit the {k} x {config['BV']} state tile")

@@ -99,16 +99,16 @@ def _conv_update_on_qflash(original, *args, **kwargs):
 
 def _verify_reads_conv_rows(original, mixed_qkv, num_q_heads, num_k_heads, num_v_heads, head_q, head_k, head_v):
     from qflash.kernels import gdn_prefill
-    from qflash.kernels.gdn_verify import BLOCK_STEPS
+    from qflash.kernels.gdn_verify import BLOCK_STEPS, head_views
 
-    widths = [num_q_heads * head_q, num_k_heads * head_k, num_v_heads * head_v]
+    heads = ((num_q_heads, head_q), (num_k_heads, head_k), (num_v_heads, head_v))
     tokens = mixed_qkv.shape[0]
     # qflash's kernels read strided rows; FLA's chunks would copy them
     strided_reader = gdn_input_proj.verifying() or gdn_prefill.serves(tokens)
-    if not strided_reader or mixed_qkv.stride(-1) != 1 or tokens % BLOCK_STEPS or mixed_qkv.shape[-1] != sum(widths):
+    if (not strided_reader or mixed_qkv.stride(-1) != 1 or tokens % BLOCK_STEPS
+            or mixed_qkv.shape[-1] != sum(count * dim for count, dim in heads)):
         return original(mixed_qkv, num_q_heads, num_k_heads, num_v_heads, head_q, head_k, head_v)
-    heads = zip(mixed_qkv.split(widths, dim=-1), ((num_q_heads, head_q), (num_k_heads, head_k), (num_v_heads, head_v)))
-    return tuple(rows.unflatten(-1, shape)[None] for rows, shape in heads)  # [1, T, heads, dim], a token's row apart
+    return head_views(mixed_qkv, heads)
 
 
 class _SplitHook(Hook):

@@ -18,8 +18,8 @@ from qflash.kernels import conv_update, gdn_verify, w4_draft_pick, w8a16_argmax,
 from qflash.kernels.config_table import DECODE_M, DECODE_MAX_M, PHASES, PREFILL_M
 from qflash.server.launcher import require_gpu
 from qflash.server.preset import BLOCK_SIZE
-from qflash.server.tools.shapes import (DRAFTER, GDN_CONV, GDN_CONV_WIDTH, GDN_HEADS, GDN_IN_PROJ_CUTS, GDN_KEY,
-                                        GDN_VALUE, LM_HEAD, TARGET)
+from qflash.server.tools.shapes import (DRAFTER, GDN_CONV, GDN_CONV_WIDTH, GDN_HEADS, GDN_IN_PROJ_CUTS, GDN_VALUE,
+                                        LM_HEAD, TARGET)
 from qflash.server.tools.timing import chain_calls, chain_us, cold_us
 
 
@@ -111,8 +111,7 @@ def gdn_input_verify(m: int, then_verify: bool = False):
                 replayssm_g=torch.zeros(requests, hv, BLOCK_SIZE, device="cuda"),
                 replayssm_beta=torch.zeros(requests, hv, BLOCK_SIZE, device="cuda"))
         qkv, _, b, a = w8a8_gemm.segments(y, m, list(cuts), w.shape[0])
-        q, k, v = (rows.unflatten(-1, (-1, dim))[None] for rows, dim in zip(
-            qkv.split([GDN_KEY, GDN_KEY, GDN_VALUE], dim=-1), (dk, dk, dv)))  # views, as the hooked split gives them
+        q, k, v = gdn_verify.head_views(qkv, ((h, dk), (h, dk), (hv, dv)))  # as the hooked split hands them over
         gdn_verify.verify(q=q, k=k, v=v, a=a, b=b, **verify_layers[w.data_ptr()])
 
     def gemm(x, w, w_scale, bias, config):
