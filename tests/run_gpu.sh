@@ -7,7 +7,10 @@
 #                          quoted -k works: TESTS="tests/test_kernels_gpu.py -k 'w8a8 and not prefill'"
 #   STABLE=0               the tests need no stable-choice checkpoint (conftest.stable_checkpoint): not built. The
 #                          quantized-server tests (the losslessness test among them) need it: without this step its
-#                          ~1.5 min build falls inside TESTS_TIMEOUT (BENCHMARKS.md, sixty-first session)
+#                          ~1.5 min build falls inside TESTS_TIMEOUT (BENCHMARKS.md, sixty-first session). The
+#                          losslessness verdict in one server start, to go before an A/B or a bench in the same call:
+#                          TESTS=tests/test_quantized_server_gpu.py::test_speculation_is_the_teacher_forced_argmax
+#                          (test_speculation_is_greedy_lossless starts a second, eager server too: 5 min or more)
 #   EVAL_DEPS=1            install lm-eval offline for tests/test_eval_gpu.py (carry .gpu-eval too:
 #                          tests/fetch_eval_deps.sh makes it here, 15.3 MiB)
 #   BENCH_KERNELS=1        qflash bench-kernels $BENCH_KERNELS_ARGS (e.g. --skip-gemms)

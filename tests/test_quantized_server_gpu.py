@@ -5,6 +5,8 @@ stable-choice checkpoint: `make-dummy --stable` writes bf16 weights of the publi
 depend on the context by wide margins (server/stable_weights.py), and their `qflash quantize` output is served,
 the real path offline. QFLASH_CHECKPOINT and QFLASH_DRAFTER name real ones instead. Then one server of the same
 checkpoint without speculation gives plain greedy decoding and a teacher-forced forward:
+- speculative = the shared server's own teacher-forced argmax over prompt + output, at every position: the
+  losslessness verdict in one server start (its prefill runs none of the cycle's draft, verify, accept or commit);
 - speculative = plain greedy, token for token, over 16 prompts x 256 tokens, with mean acceptance > 2;
 - 8 requests at once = each alone;
 - plain = teacher-forced argmax, and fp32 / bf16 transformers choose the same, by the margins reported;
@@ -73,6 +75,38 @@ def test_eight_concurrent_requests_equal_each_alone(speculative):
     assert together == [o["output_ids"] for o in speculative[:8]]
 
 
+def teacher_forced(base: str, prompt: list[int], output: list[int], session=API) -> list[tuple[int, float]]:
+    """(greedy token, top-1 minus top-2 log-probability) at each output position, from one forward over
+    prompt + output."""
+    seq, start = prompt + output, len(prompt) - 1
+    body = {"input_ids": seq, "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": 2,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    r = session.post(base + "/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text[:1000]
+    top = r.json()["meta_info"]["input_top_logprobs"][1:len(output) + 1]
+    return [(t[0][1], t[0][0] - t[1][0]) for t in top]
+
+
+def disagreements(outputs: list[dict]) -> tuple[list[tuple[int, int]], list[float]]:
+    """(prompt, position) where an output is not the shared server's teacher-forced argmax, and the margins."""
+    flush()  # the teacher's forward starts from the prompt's first token, not from a cached prefix
+    mismatches, margins = [], []
+    for i, (prompt, out) in enumerate(zip(prompts(), outputs)):
+        for k, ((token, margin), emitted) in enumerate(zip(teacher_forced(BASE, prompt, out["output_ids"]),
+                                                           out["output_ids"])):
+            mismatches += [(i, k)] if token != emitted else []
+            margins.append(margin)
+    return mismatches, margins
+
+
+def test_speculation_is_the_teacher_forced_argmax(speculative):
+    mismatches, margins = disagreements(speculative)
+    print(f"\nlosslessness (one server): {PROMPTS} prompts x {NEW_TOKENS} tokens, speculative vs teacher-forced "
+          f"argmax: {len(mismatches)} mismatches {mismatches[:8]}; margin min {min(margins):.1f}")
+    assert not mismatches
+    assert min(margins) > 10  # far above any prefill-versus-cycle rounding: the check cannot flip on a near tie
+
+
 def with_fault(fault: str, fault_file) -> list[dict]:
     flush()
     with injected(fault_file, fault):
@@ -85,6 +119,7 @@ def with_fault(fault: str, fault_file) -> list[dict]:
 def test_losslessness_check_catches(fault, fault_file, speculative):
     faulty = with_fault(fault, fault_file)
     assert [o["output_ids"] for o in faulty] != [o["output_ids"] for o in speculative[:4]]
+    assert disagreements(faulty)[0]
 
 
 def test_acceptance_check_catches_shifted_drafter_kv(fault_file, speculative):
@@ -92,18 +127,6 @@ def test_acceptance_check_catches_shifted_drafter_kv(fault_file, speculative):
     print(f"\ndrafter KV shifted by one: accept length {accept(faulty):.2f} against {accept(speculative[:4]):.2f}")
     assert [o["output_ids"] for o in faulty] == [o["output_ids"] for o in speculative[:4]]  # verification holds
     assert accept(faulty) < accept(speculative[:4]) / 2
-
-
-def teacher_forced(base: str, prompt: list[int], output: list[int]) -> list[tuple[int, float]]:
-    """(greedy token, top-1 minus top-2 log-probability) at each output position, from one forward over
-    prompt + output."""
-    seq, start = prompt + output, len(prompt) - 1
-    r = requests.post(base + "/generate", json={"input_ids": seq, "return_logprob": True, "logprob_start_len": start,
-                                                "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
-                      timeout=300)
-    assert r.status_code == 200, r.text[:1000]
-    top = r.json()["meta_info"]["input_top_logprobs"][1:len(output) + 1]
-    return [(t[0][1], t[0][0] - t[1][0]) for t in top]
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +144,7 @@ def plain(speculative, tmp_path_factory) -> dict:
         server.wait_ready()
         with concurrent.futures.ThreadPoolExecutor(8) as pool:  # one at a time, eager decoding takes minutes
             decoded = list(pool.map(lambda p: generate(server.base_url, p, requests)["output_ids"], prompts()))
-        teacher = [teacher_forced(server.base_url, p, o) for p, o in zip(prompts(), decoded)]
+        teacher = [teacher_forced(server.base_url, p, o, requests) for p, o in zip(prompts(), decoded)]
     finally:
         server.stop()
     return {"decoded": decoded, "teacher": teacher}
@@ -155,7 +178,8 @@ def test_fp32_bf16_and_w8a8_choose_alike(plain):
     for dtype in (torch.float32, torch.bfloat16):
         model.to(dtype)
         agree, margins = 0, []
-        for prompt, out in list(zip(prompts(), plain["decoded"]))[:4]:  # 4 x 256 positions: the time of a GPU call is short
+        # 4 x 256 positions: the time of a GPU call is short
+        for prompt, out in list(zip(prompts(), plain["decoded"]))[:4]:
             with torch.no_grad():
                 logits = model(torch.tensor([prompt + out], device="cuda")).logits[0, len(prompt) - 1:-1].float()
             top = logits.log_softmax(-1).topk(2, dim=-1)

@@ -81,7 +81,8 @@ def accept_off_by_one(kw: dict) -> dict:
     request's first rejected draft matches, so the rule itself takes it, and everything after it (bonus token,
     commit_lens, new seq_lens, GDN fold, drafter KV) agrees with the wrong count: the server emits one unverified
     draft token in every cycle that rejects a draft. Caught by test_quantized_server_gpu.py::
-    test_losslessness_check_catches[accept_off_by_one]: speculative output != plain greedy."""
+    test_losslessness_check_catches[accept_off_by_one]: speculative output != plain greedy, and != its teacher-forced
+    argmax."""
     key = "target_top1" if "target_top1" in kw else "target_predict"
     kw[key] = _first_rejection_matched(kw["candidates"], kw[key])
     return kw
