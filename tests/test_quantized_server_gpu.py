@@ -4,10 +4,11 @@ The shared `./launch.sh` server (conftest.served: DFLASH, real verification, pre
 stable-choice checkpoint: `make-dummy --stable` writes bf16 weights of the published names whose greedy choices
 depend on the context by wide margins (server/stable_weights.py), and their `qflash quantize` output is served,
 the real path offline. QFLASH_CHECKPOINT and QFLASH_DRAFTER name real ones instead. Then one server of the same
-checkpoint without speculation gives plain greedy decoding and a teacher-forced forward:
+checkpoint without speculation gives plain greedy decoding and a teacher-forced forward. Checked:
 - speculative = the shared server's own teacher-forced argmax over prompt + output, at every position: the
   losslessness verdict in one server start (its prefill runs none of the cycle's draft, verify, accept or commit);
-- speculative = plain greedy, token for token, over 16 prompts x 256 tokens, with mean acceptance > 2;
+- speculative = plain greedy (the second server), token for token, over 16 prompts x 256 tokens, with mean
+  acceptance > 2;
 - 8 requests at once = each alone;
 - plain = teacher-forced argmax, and fp32 / bf16 transformers choose the same, by the margins reported;
 - each check catches its fault: a fault named while the shared server runs (tests/fault_control.py) must make
