@@ -20,6 +20,7 @@ import torch
 
 from conftest import API, SERVED as BASE, SERVED_KEY
 from fault_control import injected
+from test_quantized_server_gpu import prompt_forward
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -47,13 +48,6 @@ def speculative(ids, with_logprobs=True) -> dict | list:
     return post({**body, "return_logprob": True, "top_logprobs_num": TOP} if with_logprobs else body)
 
 
-def prompt_only(prompt: list[int], output: list[int]) -> tuple[list, list]:
-    """(token logprobs, top logprobs) of each output position, from one forward over prompt + output."""
-    meta = post({"input_ids": prompt + output, "return_logprob": True, "logprob_start_len": len(prompt) - 1,
-                 "top_logprobs_num": TOP, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})["meta_info"]
-    return meta["input_token_logprobs"][1:len(output) + 1], meta["input_top_logprobs"][1:len(output) + 1]
-
-
 def differences(prompt: list[int], out: dict) -> tuple[int, float]:
     """(positions whose top-1 token differs, largest logprob difference over the token and top values) between a
     speculative request's output logprobs and the prompt-only forward's. Ranks below the first are compared by
@@ -61,7 +55,7 @@ def differences(prompt: list[int], out: dict) -> tuple[int, float]:
     meta = out["meta_info"]
     tokens, tops = meta["output_token_logprobs"], meta["output_top_logprobs"]
     assert [t[1] for t in tokens] == out["output_ids"] and len(tokens) == len(tops) == NEW_TOKENS
-    want_tokens, want_tops = prompt_only(prompt, out["output_ids"])
+    want_tokens, want_tops = prompt_forward(BASE, prompt, out["output_ids"], TOP)
     assert [t[1] for t in want_tokens] == out["output_ids"]
     wrong_top1 = sum(got[0][1] != want[0][1] for got, want in zip(tops, want_tops))
     pairs = [(g[0], w[0]) for g, w in zip(tokens, want_tokens)]

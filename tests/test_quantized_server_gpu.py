@@ -76,16 +76,20 @@ def test_eight_concurrent_requests_equal_each_alone(speculative):
     assert together == [o["output_ids"] for o in speculative[:8]]
 
 
-def teacher_forced(base: str, prompt: list[int], output: list[int], session=API) -> list[tuple[int, float]]:
-    """(greedy token, top-1 minus top-2 log-probability) at each output position, from one forward over
-    prompt + output."""
-    seq, start = prompt + output, len(prompt) - 1
-    body = {"input_ids": seq, "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": 2,
-            "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+def prompt_forward(base: str, prompt: list[int], output: list[int], top: int, session=API) -> tuple[list, list]:
+    """(token logprob, the `top` best logprobs) at each output position, from one forward over prompt + output: a
+    prefill, which runs none of the speculative cycle."""
+    body = {"input_ids": prompt + output, "return_logprob": True, "logprob_start_len": len(prompt) - 1,
+            "top_logprobs_num": top, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
     r = session.post(base + "/generate", json=body, timeout=300)
     assert r.status_code == 200, r.text[:1000]
-    top = r.json()["meta_info"]["input_top_logprobs"][1:len(output) + 1]
-    return [(t[0][1], t[0][0] - t[1][0]) for t in top]
+    meta = r.json()["meta_info"]
+    return meta["input_token_logprobs"][1:len(output) + 1], meta["input_top_logprobs"][1:len(output) + 1]
+
+
+def teacher_forced(base: str, prompt: list[int], output: list[int], session=API) -> list[tuple[int, float]]:
+    """(greedy token, top-1 minus top-2 log-probability) at each output position of a prompt-only forward."""
+    return [(t[0][1], t[0][0] - t[1][0]) for t in prompt_forward(base, prompt, output, 2, session)[1]]
 
 
 def disagreements(outputs: list[dict]) -> tuple[list[tuple[int, int]], list[float]]:
